@@ -1,0 +1,555 @@
+"""Lossless tree verification: walk the draft tree with the target's distributions.
+
+Vocabulary (Leviathan et al., arXiv 2211.17192; vLLM's `RejectionSampler`):
+p is the target's distribution at a tree row (after the request's sampling
+transforms, see `sampling.py`), q the draft's. Rows are numbered as in
+`tree.py`: row 0 is the root (the last committed token), row i + 1 follows
+draft node i. A round walks from the root; at each visited row it either
+**accepts** one child and descends, or stops and emits a **recovered**
+(correction) token; if the walk ends at a leaf the last token is a **bonus**
+token drawn from the full p. Output tokens = accepted + one recovered-or-bonus
+token (`next_token`).
+
+Every node-level step emits one token distributed exactly as p_row; the chain
+rule then makes the whole round lossless (SpecInfer/Sequoia argument). Which
+step is exact depends on how the children were drafted, hence four modes:
+
+    greedy                        y = argmax p; accept the child whose token is y
+    deterministic                 children chosen without randomness (top-k, n-gram,
+                                  suffix trees): draw y ~ p, accept the child equal to y
+                                  (sample-and-match; q := 1, the real q would be lossy)
+    sampled                       children drawn i.i.d. from q: for each child x in order,
+                                  accept if u < p(x) / q(x), else p <- norm(max(0, p - q));
+                                  q unchanged, duplicate siblings processed in turn
+    sampled_without_replacement   children drawn without replacement (in draw order): as
+                                  above, and after rejecting x also q[x] <- 0, q <- norm(q)
+
+Comparisons are strict (`u < ratio`, u in [0, 1)), so a token with p(x) = 0 is
+never accepted (SGLang #35771). An EOS token or the request's remaining token
+budget ends the round early: the emitted sequence is cut there, which does not
+change the law of the tokens that are emitted.
+
+Randomness. The walk visits at most one row per depth, so coins are indexed by
+(request, depth): `uniform[b, d, j]` for the j-th child test at depth d and
+`exponential[b, d, :]` for the draw at depth d (y = argmax(p / E), the
+exponential race, as vLLM's recovered-token kernel). Passing the same
+`VerifyCoins` makes the reference walk (`verify_tree_with_coins`), the
+vectorised `verify_batch` and a kernel agree token for token.
+
+Two implementations:
+* `verify_tree` -- the simple reference, one request, a Python walk; the entry
+  point outside checks call.
+* `verify_batch` -- B requests with different trees, vectorised over nodes and
+  requests (the only Python loop runs over sibling rank in the sampled modes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Protocol, Sequence
+
+import torch
+
+from vllm_tree_spec.tree import NO_NODE, NO_PARENT, PAD_TOKEN_ID, Tree, TreeBatch
+
+
+class Mode(IntEnum):
+    GREEDY = 0
+    DETERMINISTIC = 1
+    SAMPLED = 2
+    SAMPLED_WITHOUT_REPLACEMENT = 3
+
+    @staticmethod
+    def parse(mode: "str | int | Mode") -> "Mode":
+        if isinstance(mode, Mode):
+            return mode
+        if isinstance(mode, int):
+            return Mode(mode)
+        try:
+            return Mode[str(mode).upper()]
+        except KeyError:
+            raise ValueError(
+                f"mode {mode!r} is not one of {[m.name.lower() for m in Mode]}; choose the rule that matches "
+                f"how the children were drafted"
+            ) from None
+
+    @property
+    def needs_draft_probs(self) -> bool:
+        return self in (Mode.SAMPLED, Mode.SAMPLED_WITHOUT_REPLACEMENT)
+
+
+# ---------------------------------------------------------------------------
+# Coins
+
+
+@dataclass
+class VerifyCoins:
+    """All randomness of one verification call, drawn outside the walk.
+
+    Attributes:
+        uniform: [B, D + 1, K] float64 in [0, 1): child tests at depth d, sibling rank j.
+        exponential: [B, D + 1, V] Exp(1) noise (clamped > 0) for the draw at depth d.
+    """
+
+    uniform: torch.Tensor  # [B, D + 1, K]
+    exponential: torch.Tensor  # [B, D + 1, V]
+
+    @staticmethod
+    def draw(
+        batch_size: int,
+        max_depth: int,
+        max_children: int,
+        vocab_size: int,
+        generators: Sequence[torch.Generator | None] | None = None,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> "VerifyCoins":
+        """Draw coins; request b uses generators[b] when given (seeded requests), else the default RNG."""
+        shape_u = (batch_size, max_depth + 1, max(1, max_children))
+        shape_e = (batch_size, max_depth + 1, vocab_size)
+        # float64 uniforms: an exact 0 is (nearly) impossible, as in vLLM's generate_uniform_probs.
+        u = torch.rand(shape_u, dtype=torch.float64, device=device)
+        e = torch.empty(shape_e, dtype=dtype, device=device).exponential_()
+        if generators is not None:
+            for b, g in enumerate(generators):
+                if g is not None:
+                    u[b] = torch.rand(shape_u[1:], dtype=torch.float64, device=device, generator=g)
+                    e[b].exponential_(generator=g)
+        e.clamp_(min=torch.finfo(dtype).tiny)  # E = 0 would turn p = 0 into nan
+        return VerifyCoins(u, e)
+
+    def for_request(self, b: int) -> "VerifyCoins":
+        return VerifyCoins(self.uniform[b : b + 1], self.exponential[b : b + 1])
+
+
+def race(p: torch.Tensor, exponential: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax(p / E) is a draw from p / sum(p) (index of first max on ties)."""
+    return (p / exponential.to(p.dtype)).argmax(dim=-1)
+
+
+def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)) over the last dim; rows whose residual is all zero keep p.
+
+    An all-zero residual needs p <= q everywhere, i.e. p == q, where the child
+    is accepted with probability 1; it can only appear through rounding.
+    """
+    r = (p - q).clamp_(min=0)
+    z = r.sum(dim=-1, keepdim=True)
+    return torch.where(z > 0, r / torch.where(z > 0, z, torch.ones_like(z)), p)
+
+
+class CoinSource(Protocol):
+    """Where the reference walk gets its randomness (a generator, tensors, or an enumerator)."""
+
+    def accept(self, ratio: float, depth: int, rank: int) -> bool:
+        """u < ratio for a fresh u ~ U[0, 1)."""
+
+    def draw(self, p: torch.Tensor, depth: int) -> int:
+        """One token from p (p need not be normalised)."""
+
+
+class GeneratorCoins:
+    def __init__(self, generator: torch.Generator | None):
+        self.g = generator
+
+    def accept(self, ratio: float, depth: int, rank: int) -> bool:
+        u = float(torch.rand((), dtype=torch.float64, generator=self.g))
+        return u < ratio
+
+    def draw(self, p: torch.Tensor, depth: int) -> int:
+        e = torch.empty_like(p).exponential_(generator=self.g).clamp_(min=torch.finfo(p.dtype).tiny)
+        return int(race(p, e))
+
+
+class TensorCoins:
+    """Reads one request's slice of `VerifyCoins` (the layout `verify_batch` uses)."""
+
+    def __init__(self, coins: VerifyCoins, b: int = 0):
+        self.u = coins.uniform[b]
+        self.e = coins.exponential[b]
+
+    def accept(self, ratio: float, depth: int, rank: int) -> bool:
+        return float(self.u[depth, rank]) < ratio
+
+    def draw(self, p: torch.Tensor, depth: int) -> int:
+        return int(race(p, self.e[depth]))
+
+
+# ---------------------------------------------------------------------------
+# Validation
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-9 if dtype == torch.float64 else 1e-4
+
+
+def _check_distributions(name: str, probs: torch.Tensor, rows: list[int]) -> None:
+    if not rows:
+        return
+    sub = probs[rows]
+    if bool((sub < 0).any()) or not bool(torch.isfinite(sub).all()):
+        raise ValueError(f"{name} has negative or non-finite entries; pass probabilities, not logits")
+    err = (sub.sum(-1) - 1).abs()
+    bad = err > _tolerance(probs.dtype)
+    if bool(bad.any()):
+        r = rows[int(bad.nonzero()[0])]
+        raise ValueError(
+            f"{name}[{r}] sums to {float(sub.sum(-1)[bad][0]):.6g}, not 1: probabilities not normalised; "
+            f"apply softmax (and the sampling transforms) first"
+        )
+
+
+def _validate(tree: Tree, target_probs: torch.Tensor, draft_probs: torch.Tensor | None, mode: Mode) -> None:
+    n = tree.num_nodes
+    if target_probs.dim() != 2 or target_probs.shape[0] != n + 1:
+        raise ValueError(
+            f"target_probs has shape {tuple(target_probs.shape)}; expected [N + 1, V] = [{n + 1}, V] "
+            f"(row 0 at the root, row i + 1 after node i)"
+        )
+    vocab = target_probs.shape[1]
+    if n and (bool((tree.tokens < 0).any()) or bool((tree.tokens >= vocab).any())):
+        raise ValueError(f"tokens must lie in [0, {vocab}) (the vocabulary of target_probs)")
+    _check_distributions("target_probs", target_probs, list(range(n + 1)))
+    if mode == Mode.DETERMINISTIC and tree.duplicate_siblings():
+        i, j = tree.duplicate_siblings()[0]
+        raise ValueError(
+            f"duplicate sibling tokens (nodes {i} and {j}, token {int(tree.tokens[i])}) in deterministic mode; "
+            f"deterministic drafters must propose distinct children"
+        )
+    if not mode.needs_draft_probs:
+        return
+    if draft_probs is None:
+        raise ValueError(f"mode {mode.name.lower()!r} needs draft_probs [N + 1, V] (the q children were drawn from)")
+    if tuple(draft_probs.shape) != tuple(target_probs.shape):
+        raise ValueError(
+            f"draft_probs has shape {tuple(draft_probs.shape)}; expected {tuple(target_probs.shape)} like target_probs"
+        )
+    parent_rows = [r for r, ch in enumerate(tree.children) if ch]
+    _check_distributions("draft_probs", draft_probs, parent_rows)
+    if mode == Mode.SAMPLED_WITHOUT_REPLACEMENT and tree.duplicate_siblings():
+        i, j = tree.duplicate_siblings()[0]
+        raise ValueError(
+            f"duplicate sibling tokens (nodes {i} and {j}) cannot come from sampling without replacement; "
+            f"use mode 'sampled' for i.i.d. children"
+        )
+    for i, p in enumerate(tree.parents.tolist()):
+        x = int(tree.tokens[i])
+        if float(draft_probs[p + 1, x]) <= 0:
+            raise ValueError(
+                f"node {i}'s token {x} has zero probability under draft_probs[{p + 1}]: it cannot have been "
+                f"sampled from that row; pass the distribution the children were drawn from"
+            )
+
+
+def _truncate(
+    accepted: list[int], next_token: int, tokens: list[int], eos_token_id: int | None, max_tokens: int | None
+) -> tuple[list[int], int]:
+    """Cut the emitted sequence at the first EOS (inclusive) and at max_tokens."""
+    emitted = [tokens[i] for i in accepted] + [next_token]
+    cut = len(emitted)
+    if eos_token_id is not None and eos_token_id in emitted:
+        cut = emitted.index(eos_token_id) + 1
+    if max_tokens is not None:
+        cut = min(cut, max_tokens)
+    return accepted[: cut - 1], emitted[cut - 1]
+
+
+# ---------------------------------------------------------------------------
+# Reference walk
+
+
+def node_step(
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    child_tokens: Sequence[int],
+    mode: Mode,
+    coins: CoinSource,
+    depth: int,
+) -> tuple[int | None, int]:
+    """One visited row: returns (rank of the accepted child or None, token emitted here).
+
+    p [V] is the target at the row, q [V] the draft the children were drawn from
+    (sampled modes only). The emitted token is distributed exactly as p.
+    """
+    if mode in (Mode.GREEDY, Mode.DETERMINISTIC):
+        y = int(p.argmax()) if mode == Mode.GREEDY else coins.draw(p, depth)
+        rank = next((j for j, x in enumerate(child_tokens) if x == y), None)
+        return rank, y
+    for rank, x in enumerate(child_tokens):
+        ratio = float(p[x]) / float(q[x]) if float(q[x]) > 0 else 0.0  # q(x) = 0: reject
+        if coins.accept(ratio, depth, rank):
+            return rank, x
+        p = residual(p, q)
+        if mode == Mode.SAMPLED_WITHOUT_REPLACEMENT:
+            q = q.clone()
+            q[x] = 0  # the next child was drawn from q without x
+            q = q / q.sum()
+    return None, coins.draw(p, depth)
+
+
+def walk(
+    tree: Tree,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    mode: Mode,
+    coins: CoinSource,
+) -> tuple[list[int], int]:
+    """The reference walk (no validation, no truncation). Returns (accepted nodes, next token)."""
+    tokens = tree.tokens.tolist() if tree.num_nodes else []
+    row, depth, accepted = 0, 0, []
+    while True:
+        children = tree.children[row]
+        q = None if draft_probs is None else draft_probs[row]
+        rank, y = node_step(target_probs[row], q, [tokens[c] for c in children], mode, coins, depth)
+        if rank is None:
+            return accepted, y
+        accepted.append(children[rank])
+        row, depth = children[rank] + 1, depth + 1
+
+
+def verify_tree(
+    parents: torch.Tensor,
+    tokens: torch.Tensor,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    mode: str,
+    generator: torch.Generator | None,
+    *,
+    eos_token_id: int | None = None,
+    max_tokens: int | None = None,
+) -> tuple[list[int], int]:
+    """Verify one request's draft tree (reference implementation).
+
+    Args:
+        parents: [N] int64 parent indices in topological order (-1 = child of the root).
+        tokens: [N] int64 draft tokens.
+        target_probs: [N + 1, V] p per row (row 0 at the root, row i + 1 after node i's
+            path), already transformed by the request's sampling parameters.
+        draft_probs: [N + 1, V] or None; row r = the q node r's children were drawn from
+            (required by the two sampled modes).
+        mode: "greedy" | "deterministic" | "sampled" | "sampled_without_replacement".
+        generator: torch.Generator supplying the coins (None: the default RNG).
+        eos_token_id: if given, the round ends at an emitted EOS.
+        max_tokens: if given (>= 1), at most this many tokens are emitted.
+
+    Returns:
+        (accepted, next_token): accepted node indices from the first level down
+        (root excluded) and the token emitted after them -- the recovered token,
+        or the bonus token if the walk ended at a leaf. Emitted tokens are
+        [tokens[a] for a in accepted] + [next_token]. If EOS or max_tokens cut
+        the round, next_token is the last emitted token and accepted the nodes
+        before it.
+    """
+    return _verify_tree(parents, tokens, target_probs, draft_probs, mode, GeneratorCoins(generator),
+                        eos_token_id=eos_token_id, max_tokens=max_tokens)
+
+
+def verify_tree_with_coins(
+    parents, tokens, target_probs, draft_probs, mode, coins: VerifyCoins | CoinSource, *, b: int = 0,
+    eos_token_id: int | None = None, max_tokens: int | None = None,
+) -> tuple[list[int], int]:
+    """`verify_tree` reading explicit coins (request b of a `VerifyCoins`, or any `CoinSource`)."""
+    source = TensorCoins(coins, b) if isinstance(coins, VerifyCoins) else coins
+    return _verify_tree(parents, tokens, target_probs, draft_probs, mode, source,
+                        eos_token_id=eos_token_id, max_tokens=max_tokens)
+
+
+def _verify_tree(parents, tokens, target_probs, draft_probs, mode, coins, *, eos_token_id, max_tokens):
+    mode = Mode.parse(mode)
+    parents = torch.as_tensor(parents, dtype=torch.long)
+    tokens = torch.as_tensor(tokens, dtype=torch.long)
+    if parents.dim() != 1 or tokens.dim() != 1:
+        raise ValueError("parents and tokens must be 1-D tensors over the N draft nodes")
+    tree = Tree(parents, tokens)
+    _validate(tree, target_probs, draft_probs, mode)
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens = {max_tokens} must be >= 1 (a round always emits a token)")
+    accepted, nxt = walk(tree, target_probs, draft_probs, mode, coins)
+    return _truncate(accepted, nxt, tokens.tolist(), eos_token_id, max_tokens)
+
+
+# ---------------------------------------------------------------------------
+# Batched, vectorised verification
+
+
+@dataclass
+class TreeVerifyOutput:
+    """Result of `verify_batch`, in vLLM's chain contract where it applies.
+
+    Attributes:
+        accepted_nodes: [B, D] int64 local node indices of the accepted path, NO_NODE-padded.
+        num_accepted: [B] int64 accepted draft nodes (after EOS / max_tokens cuts).
+        next_token: [B] int64 recovered or bonus token (the last emitted token).
+        output_token_ids: [B, D + 1] int64 accepted tokens then next_token, -1 padded
+            (the layout of vLLM's `sampled_token_ids`).
+    """
+
+    accepted_nodes: torch.Tensor  # [B, D]
+    num_accepted: torch.Tensor  # [B]
+    next_token: torch.Tensor  # [B]
+    output_token_ids: torch.Tensor  # [B, D + 1]
+
+    def accepted(self, b: int) -> list[int]:
+        return self.accepted_nodes[b, : int(self.num_accepted[b])].tolist()
+
+
+def _as_modes(modes, batch_size: int) -> torch.Tensor:
+    if isinstance(modes, (str, Mode, int)):
+        modes = [modes] * batch_size
+    if isinstance(modes, torch.Tensor):
+        return modes.to(torch.long).cpu()
+    return torch.tensor([int(Mode.parse(m)) for m in modes], dtype=torch.long)
+
+
+def verify_batch(
+    batch: TreeBatch,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    modes,
+    coins: VerifyCoins | None = None,
+    *,
+    eos_token_id: torch.Tensor | None = None,
+    max_tokens: torch.Tensor | None = None,
+) -> TreeVerifyOutput:
+    """Verify B trees at once.
+
+    Args:
+        batch: the B trees (with tokens).
+        target_probs: [R, V] p per row, R = sum(N_b + 1), request-major, root row
+            first (`batch.cu_num_rows`).
+        draft_probs: [R, V] or None; required if any request uses a sampled mode.
+        modes: one mode for all, or [B] modes (names, `Mode`s or an int tensor).
+        coins: `VerifyCoins` with at least [B, D + 1, K] / [B, D + 1, V]; drawn
+            from the default RNG when None (not needed if all requests are greedy).
+        eos_token_id: [B] int64, -1 = none.
+        max_tokens: [B] int64 remaining token budget (>= 1), or None.
+    """
+    device = target_probs.device
+    B, M, V = batch.batch_size, batch.max_nodes, target_probs.shape[1]
+    D = batch.max_depth
+    modes = _as_modes(modes, B)
+    present = set(modes.tolist())
+    if any(Mode(m).needs_draft_probs for m in present) and draft_probs is None:
+        raise ValueError("draft_probs is required when a request uses a sampled mode")
+    if coins is None and present != {int(Mode.GREEDY)}:
+        coins = VerifyCoins.draw(B, D, batch.max_children, V, dtype=target_probs.dtype, device=device)
+
+    # Per-node metadata, flattened over requests ([T] = all draft nodes).
+    node_req = torch.repeat_interleave(torch.arange(B), batch.num_nodes).to(device)  # [T]
+    node_local = (torch.arange(int(batch.cu_num_nodes[-1])) - batch.cu_num_nodes[:-1].repeat_interleave(
+        batch.num_nodes)).to(device)  # [T]
+    row_base = batch.cu_num_rows[:-1].to(device)  # [B] global row of each root
+    node_row = row_base[node_req] + node_local + 1  # [T]
+    parent_row = row_base[node_req] + batch.parents.to(device) + 1  # [T]
+    tokens = batch.tokens.to(device)  # [T]
+    node_depth = batch.depth.to(device)  # [T]
+    R = int(batch.cu_num_rows[-1])
+    row_req = torch.repeat_interleave(torch.arange(B), batch.num_nodes + 1).to(device)  # [R]
+    row_depth = torch.zeros(R, dtype=torch.long, device=device)
+    row_depth[node_row] = node_depth  # [R], root rows 0
+    node_mode = modes.to(device)[node_req]  # [T]
+    sib_rank = torch.cat([t.sibling_rank for t in batch.trees]).to(device) if batch.trees else tokens  # [T]
+
+    # taken[t]: node t is the child that its parent row's step picks.
+    taken = torch.zeros_like(tokens, dtype=torch.bool)  # [T]
+    y_row = torch.zeros(R, dtype=torch.long, device=device)  # [R] greedy / deterministic draw per row
+    p_final = None
+
+    if present & {int(Mode.GREEDY), int(Mode.DETERMINISTIC)}:
+        greedy_y = target_probs.argmax(-1)  # [R]
+        if int(Mode.DETERMINISTIC) in present:
+            e_rows = coins.exponential[row_req, row_depth]  # [R, V]
+            det_y = race(target_probs, e_rows)
+            y_row = torch.where(modes.to(device)[row_req] == Mode.DETERMINISTIC, det_y, greedy_y)
+        else:
+            y_row = greedy_y
+        match = tokens == y_row[parent_row]  # [T]
+        # Among matching siblings only the first counts (duplicates are legal in greedy mode).
+        first = torch.full((R,), 1 << 30, dtype=torch.long, device=device)
+        first = first.scatter_reduce(0, parent_row[match], sib_rank[match], reduce="amin")
+        taken = match & (sib_rank == first[parent_row]) & (node_mode <= Mode.DETERMINISTIC)
+
+    if present & {int(Mode.SAMPLED), int(Mode.SAMPLED_WITHOUT_REPLACEMENT)}:
+        row_mode = modes.to(device)[row_req]  # [R]
+        sampled_row = row_mode >= Mode.SAMPLED
+        wor_row = row_mode == Mode.SAMPLED_WITHOUT_REPLACEMENT
+        p_cur = target_probs.clone()  # [R, V] residual target per row
+        q_cur = draft_probs.clone()  # [R, V] (renormalised q for without-replacement rows)
+        done = torch.zeros(R, dtype=torch.bool, device=device)  # a child of the row was accepted
+        # child_node[r, j]: global node index of the j-th child of row r (-1 = none).
+        K = max(1, batch.max_children)
+        child_node = torch.full((R, K), NO_NODE, dtype=torch.long, device=device)
+        child_node[parent_row, sib_rank] = torch.arange(tokens.numel(), device=device)
+        for j in range(K if tokens.numel() else 0):  # sibling rank; everything else is vectorised
+            c = child_node[:, j]  # [R]
+            has = (c >= 0) & sampled_row
+            cc = c.clamp(min=0)
+            x = torch.where(has, tokens[cc], torch.zeros_like(cc))  # [R]
+            px = p_cur.gather(1, x[:, None]).squeeze(1)
+            qx = q_cur.gather(1, x[:, None]).squeeze(1)
+            # q(x) = 0 cannot be drafted; reject rather than divide by zero.
+            ratio = torch.where(qx > 0, px / torch.where(qx > 0, qx, torch.ones_like(qx)), torch.zeros_like(px))
+            u = coins.uniform[row_req, row_depth, j]  # [R]
+            acc = has & ~done & (u < ratio.to(u.dtype))
+            taken[cc[acc]] = True
+            step = has & ~done & ~acc  # rows that reject child j and move on
+            p_cur = torch.where(step[:, None], residual(p_cur, q_cur), p_cur)
+            wor = step & wor_row
+            if bool(wor.any()):
+                q_new = q_cur.scatter(1, x[:, None], 0.0)
+                q_new = q_new / q_new.sum(-1, keepdim=True).clamp(min=torch.finfo(q_new.dtype).tiny)
+                q_cur = torch.where(wor[:, None], q_new, q_cur)
+            done |= acc
+        p_final = p_cur
+
+    # A node is accepted iff every node on its path (itself included) was taken.
+    taken_pad = torch.zeros(B, M, dtype=torch.bool, device=device)
+    taken_pad[node_req, node_local] = taken
+    mask = batch.dense_mask.to(device)  # [B, M, M]
+    accepted_pad = ~(mask & ~taken_pad[:, None, :]).any(-1) & batch.valid.to(device)  # [B, M]
+    depth_pad = batch.padded_depth.to(device)
+    num_accepted = (depth_pad * accepted_pad).amax(-1) if M else torch.zeros(B, dtype=torch.long, device=device)
+
+    accepted_nodes = torch.full((B, max(D, 0) + 1), NO_NODE, dtype=torch.long, device=device)
+    bi, ni = accepted_pad.nonzero(as_tuple=True)
+    accepted_nodes[bi, depth_pad[bi, ni] - 1] = ni  # at most one accepted node per depth
+    accepted_nodes = accepted_nodes[:, :D]
+    deepest = torch.zeros_like(num_accepted)  # [B] local row where the walk stopped (0 = root)
+    if D:
+        last = accepted_nodes.gather(1, (num_accepted - 1).clamp(min=0)[:, None]).squeeze(1)
+        deepest = torch.where(num_accepted > 0, last + 1, deepest)
+    last_row = row_base + deepest  # [B] global row where the walk stopped
+
+    next_token = y_row[last_row]
+    if p_final is not None:
+        sampled_req = modes.to(device) >= Mode.SAMPLED
+        e_last = coins.exponential[torch.arange(B, device=device), num_accepted]  # [B, V]
+        sampled_next = race(p_final[last_row], e_last)
+        next_token = torch.where(sampled_req, sampled_next, next_token)
+
+    # Emitted tokens: accepted tokens, then next_token; cut at EOS / max_tokens.
+    padded_tokens = batch.padded_tokens.to(device)
+    acc_tok = torch.where(accepted_nodes >= 0, padded_tokens.gather(1, accepted_nodes.clamp(min=0)),
+                          torch.full_like(accepted_nodes, PAD_TOKEN_ID)) if D else accepted_nodes
+    emitted = torch.cat([acc_tok, torch.full((B, 1), PAD_TOKEN_ID, dtype=torch.long, device=device)], 1)
+    emitted.scatter_(1, num_accepted[:, None], next_token[:, None])  # [B, D + 1]
+    length = num_accepted + 1
+    pos = torch.arange(D + 1, device=device)[None, :]
+    if eos_token_id is not None:
+        eos = torch.as_tensor(eos_token_id, dtype=torch.long, device=device).expand(B)
+        is_eos = (emitted == eos[:, None]) & (eos[:, None] >= 0) & (pos < length[:, None])
+        first_eos = torch.where(is_eos, pos, torch.full_like(pos, D + 1)).amin(-1)
+        length = torch.minimum(length, first_eos + 1)
+    if max_tokens is not None:
+        mt = torch.as_tensor(max_tokens, dtype=torch.long, device=device).expand(B)
+        if bool((mt < 1).any()):
+            raise ValueError("max_tokens must be >= 1 for every request")
+        length = torch.minimum(length, mt)
+    output = torch.where(pos < length[:, None], emitted, torch.full_like(emitted, PAD_TOKEN_ID))
+    num_accepted = length - 1
+    next_token = output.gather(1, num_accepted[:, None]).squeeze(1)
+    if D:
+        accepted_nodes = torch.where(pos[:, :D] < num_accepted[:, None], accepted_nodes,
+                                     torch.full_like(accepted_nodes, NO_NODE))
+    return TreeVerifyOutput(accepted_nodes, num_accepted, next_token, output)
