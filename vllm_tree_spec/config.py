@@ -1,0 +1,177 @@
+"""User-facing configuration: the keys of `--speculative-config '{"method": "tree", ...}'`.
+
+Validated once, at engine start-up, by a frozen pydantic model; every error
+names the key and the fix. Example:
+
+    vllm serve MODEL --speculative-config '{"method": "tree", "drafter": "suffix", "tree": "s3_k2_d6"}'
+
+Keys (see README for the table):
+    drafter            "suffix" | "ngram" | "draft_model" | "mtp"
+    model              draft model path (drafter "draft_model")
+    tree               node layout: a shape "s{steps}_k{topk}_d{tokens}", explicit child-rank paths
+                       "[(0,), (1,), (0, 0)]", or "chain:K"
+    dynamic            draft_model only: EAGLE-2 rerank of a shape by draft scores (default True for shapes)
+    num_speculative_tokens   vLLM's per-request draft slot count; defaults to the largest tree
+    verification       "auto" (from the drafter) | "deterministic" | "sampled" | "sampled_without_replacement"
+    draft_sampling     draft_model only: "topk" (deterministic children) | "sample" | "sample_without_replacement"
+    budgets            {"batch size": max nodes}: the node budget for batches up to that size
+                       (a budget of 0 switches speculation off at that size)
+    suffix / ngram knobs: max_spec_factor, min_token_prob, prompt_lookup_min, prompt_lookup_max
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from vllm_tree_spec.tree import Tree, TreeError, TreeShape
+
+TREE_METHOD = "tree"
+
+
+class TreeSpecError(ValueError):
+    """A bad tree-speculation configuration (raised at start-up)."""
+
+
+class TreeSpecConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["tree"] = "tree"
+    drafter: Literal["suffix", "ngram", "draft_model", "mtp"] = Field(
+        "suffix", description="Who proposes the tree.")
+    model: str | None = Field(None, description="Draft model path (drafter 'draft_model').")
+    tree: str | list[list[int]] = Field(
+        "s3_k2_d6", description="Tree layout: shape string, explicit rank paths, or 'chain:K'.")
+    dynamic: bool | None = Field(None, description="EAGLE-2 rerank (draft_model with a shape).")
+    num_speculative_tokens: int | None = Field(None, gt=0, description="Draft slots per request.")
+    verification: Literal["auto", "greedy", "deterministic", "sampled", "sampled_without_replacement"] = "auto"
+    draft_sampling: Literal["topk", "sample", "sample_without_replacement"] = "topk"
+    budgets: dict[int, int] | None = Field(None, description="Max draft nodes per batch-size bucket.")
+    max_spec_factor: float = Field(1.0, gt=0, description="Suffix drafter: tokens per matched token.")
+    min_token_prob: float = Field(0.1, ge=0, le=1, description="Suffix drafter: min continuation frequency.")
+    prompt_lookup_min: int = Field(1, ge=1, description="N-gram drafter: shortest suffix to match.")
+    prompt_lookup_max: int = Field(3, ge=1, description="N-gram drafter: longest suffix to match.")
+    seed: int | None = Field(None, description="Seed of the drafter's own sampling (draft_sampling != 'topk').")
+
+    @field_validator("tree", mode="before")
+    @classmethod
+    def _tree_text(cls, v: Any) -> Any:
+        if isinstance(v, (list, tuple)):
+            return [list(p) if isinstance(p, (list, tuple)) else [p] for p in v]
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> "TreeSpecConfig":
+        try:
+            self.layout()
+        except TreeError as e:
+            raise ValueError(f"key 'tree': {e}") from None
+        n = self.max_nodes
+        if self.num_speculative_tokens is not None and self.num_speculative_tokens < n:
+            raise ValueError(
+                f"key 'num_speculative_tokens' = {self.num_speculative_tokens} is smaller than the tree's "
+                f"{n} draft nodes; raise it to >= {n} or omit it"
+            )
+        if self.drafter == "draft_model" and not self.model:
+            raise ValueError("key 'model' is required for drafter 'draft_model': pass the draft model's path")
+        if self.drafter in ("suffix", "ngram") and self.model:
+            raise ValueError(f"key 'model' is not used by drafter {self.drafter!r}; remove it")
+        if self.drafter != "draft_model" and self.draft_sampling != "topk":
+            raise ValueError(f"key 'draft_sampling' applies to drafter 'draft_model' only; remove it")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError("key 'prompt_lookup_min' must be <= 'prompt_lookup_max'")
+        for bs, nodes in (self.budgets or {}).items():
+            if bs < 1:
+                raise ValueError(f"key 'budgets': batch size {bs} must be >= 1")
+            if nodes < 0 or nodes > self.num_slots:
+                raise ValueError(
+                    f"key 'budgets': {nodes} nodes at batch size {bs} is outside [0, num_speculative_tokens = "
+                    f"{self.num_slots}]; lower the budget or raise 'num_speculative_tokens'"
+                )
+        mode = self.verification_mode
+        drafted = self.children_drafting
+        compatible = {
+            "deterministic": {"greedy", "deterministic"},
+            "sampled": {"greedy", "sampled"},
+            "sampled_without_replacement": {"greedy", "sampled_without_replacement"},
+        }[drafted]
+        if mode not in compatible:
+            raise ValueError(
+                f"key 'verification' = {mode!r} is lossy for children drafted as {drafted!r}; use 'auto' "
+                f"(= {drafted!r})"
+            )
+        return self
+
+    # -- derived ------------------------------------------------------------
+
+    def layout(self) -> Tree | TreeShape:
+        """The static tree (shape-only `Tree`) or a `TreeShape` for dynamic trees."""
+        t = self.tree
+        if isinstance(t, list):
+            return Tree.from_paths([tuple(p) for p in t])
+        t = t.strip()
+        if t.startswith("chain:"):
+            try:
+                k = int(t.split(":", 1)[1])
+            except ValueError:
+                raise TreeError(f"{t!r}: write 'chain:K' with an integer K") from None
+            if k < 1:
+                raise TreeError(f"{t!r}: K must be >= 1")
+            return Tree.chain(k)
+        if t.startswith("s"):
+            return TreeShape.parse(t)
+        return Tree.from_paths(t)
+
+    @property
+    def max_nodes(self) -> int:
+        lay = self.layout()
+        return lay.num_nodes if isinstance(lay, TreeShape) else lay.num_nodes
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_speculative_tokens or self.max_nodes
+
+    @property
+    def children_drafting(self) -> str:
+        """How the drafter chooses children, which fixes the lossless rule."""
+        if self.drafter == "draft_model" and self.draft_sampling == "sample":
+            return "sampled"
+        if self.drafter == "draft_model" and self.draft_sampling == "sample_without_replacement":
+            return "sampled_without_replacement"
+        return "deterministic"
+
+    @property
+    def verification_mode(self) -> str:
+        return self.children_drafting if self.verification == "auto" else self.verification
+
+    @property
+    def is_dynamic(self) -> bool:
+        if self.dynamic is not None:
+            return self.dynamic
+        return isinstance(self.layout(), TreeShape)
+
+    def budget_for(self, batch_size: int) -> int:
+        """Max draft nodes per request at this batch size."""
+        if not self.budgets:
+            return self.max_nodes
+        for bs in sorted(self.budgets):
+            if batch_size <= bs:
+                return self.budgets[bs]
+        return self.budgets[max(self.budgets)]
+
+
+def parse_tree_config(raw: dict[str, Any]) -> TreeSpecConfig:
+    """Validate user keys; raise TreeSpecError with every problem spelled out."""
+    try:
+        return TreeSpecConfig(**raw)
+    except ValidationError as e:
+        msgs = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"]) or "speculative_config"
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "extra_forbidden":
+                msg = (f"unknown key; valid keys: "
+                       f"{', '.join(sorted(TreeSpecConfig.model_fields))}")
+            msgs.append(f"{loc}: {msg}" if not msg.startswith("key ") else msg)
+        raise TreeSpecError("invalid tree speculative_config: " + "; ".join(msgs)) from None

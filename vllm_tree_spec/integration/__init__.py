@@ -1,0 +1,36 @@
+"""The only package that touches vLLM internals. Every touch point is recorded here.
+
+    P1  EngineArgs.create_speculative_config (wrapped, main process)
+        Why: SpeculativeConfig rejects method "tree" and unknown keys (Literal method, extra="forbid").
+        What: a tree config is validated by TreeSpecConfig, moved to additional_config["tree_spec"], and
+              replaced by a custom_class config pointing at our proposer; worker_cls -> TreeCPUWorker.
+        Removal: an upstream plugin hook for speculative methods (a registry like the attention backends').
+    P2  AttentionBackendEnum.CPU_ATTN -> TreeCPUAttentionBackend (documented registry, worker process only)
+        Why: the CPU kernel has no tree mask. What: stock kernel, then draft rows recomputed with the mask.
+        Removal: a tree/custom-mask argument in cpu_attention_with_kv_cache (the CPU op has an unused tree_mask
+              in extend_attention_cpu).
+    P3  vllm.v1.worker.cpu_worker.CPUModelRunner swapped during TreeCPUWorker.init_device only
+        Why: CPUWorker builds its runner by module-global name and has no factory hook.
+        Removal: a `_make_model_runner` hook on CPUWorker (GPU's Worker has one).
+    P4  Model-runner method overrides in TreeRunnerMixin (propose_draft_token_ids, _update_states,
+        _prepare_inputs, _build_attention_metadata, _sample), on a subclass used only by tree engines
+        Why: depth positions, tree masks, tree verification and KV compaction have no upstream hooks.
+        Removal: upstream tree speculation (vLLM PR #22752 was the closest; closed).
+
+`install()` is what the plugin entry point calls; it applies P1 only (inert unless a tree config is
+given). P2-P4 happen in the worker that P1 selects, i.e. only in tree engines.
+"""
+
+from __future__ import annotations
+
+_installed = False
+
+
+def install() -> None:
+    global _installed
+    if _installed:
+        return
+    from vllm_tree_spec.integration import engine_config
+
+    engine_config.install()
+    _installed = True

@@ -1,0 +1,107 @@
+"""Reading and moving rows of vLLM's paged KV caches, per backend layout.
+
+Tree attention on CPU needs each request's keys/values gathered from the paged
+cache, and the accepted-path commit copies a node's row (slot) to the slot of
+its depth. Both depend on how the attention backend lays out a block:
+
+    CPU_ATTN, ISA vec / vec16   kv_cache [num_blocks, Hkv, block_size, 2 * D]; per (block, head)
+                                the K half is stored transposed ([D, block_size]), then V
+                                ([block_size, D]). Verified by `self_test` against vLLM's own
+                                `cpu_attn_reshape_and_cache` before first use.
+    GPU (FLASH_ATTN / TRITON)   kv_cache [2, num_blocks, block_size, Hkv, D]
+
+Any other layout (CPU ISAs amx / neon / ..., MLA caches) is refused with a
+clear error rather than guessed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+CPU_ISAS = ("vec", "vec16")
+
+
+class UnsupportedKVLayout(NotImplementedError):
+    pass
+
+
+# ---------------------------------------------------------------------------
+# CPU_ATTN (vec / vec16)
+
+
+def _cpu_views(kv_cache: torch.Tensor, head_dim: int):
+    nb, hkv, bs, two_d = kv_cache.shape
+    assert two_d == 2 * head_dim, (kv_cache.shape, head_dim)
+    halves = kv_cache.view(nb, hkv, 2, bs * head_dim)
+    k_t = halves[:, :, 0].view(nb, hkv, head_dim, bs)  # [nb, Hkv, D, bs] (transposed)
+    v = halves[:, :, 1].view(nb, hkv, bs, head_dim)  # [nb, Hkv, bs, D]
+    return k_t, v, bs
+
+
+def cpu_gather(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V [S, Hkv, D] at the given slots of a CPU_ATTN (vec/vec16) cache."""
+    k_t, v, bs = _cpu_views(kv_cache, head_dim)
+    blk, off = slots // bs, slots % bs
+    return k_t[blk, :, :, off], v[blk, :, off, :]
+
+
+def cpu_copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, head_dim: int) -> None:
+    """kv_cache[dst] <- kv_cache[src] (row-wise, for K and V). src/dst [n] int64; in place."""
+    k_t, v, bs = _cpu_views(kv_cache, head_dim)
+    sb, so, db, do = src // bs, src % bs, dst // bs, dst % bs
+    k_rows = k_t[sb, :, :, so].clone()  # [n, Hkv, D]; clone: sources may alias destinations
+    v_rows = v[sb, :, so, :].clone()
+    k_t[db, :, :, do] = k_rows
+    v[db, :, do, :] = v_rows
+
+
+@functools.lru_cache(maxsize=None)
+def self_test(isa: str, dtype: torch.dtype, head_dim: int, block_size: int, num_kv_heads: int) -> None:
+    """Check our reading of the CPU layout against vLLM's own cache write op (once per config)."""
+    if isa not in CPU_ISAS:
+        raise UnsupportedKVLayout(
+            f"tree attention on CPU supports the CPU_ATTN ISAs {CPU_ISAS}; this layer uses ISA {isa!r} "
+            f"(e.g. AMX with bfloat16). Use dtype float32, or a machine without AMX, for tree speculation"
+        )
+    from vllm import _custom_ops as ops
+
+    nb, n = 2, min(5, 2 * block_size)
+    cache = torch.zeros(nb, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.randperm(nb * block_size, generator=g)[:n]
+    view = cache.view(nb, num_kv_heads, 2 * block_size, head_dim)
+    kc, vc = view.chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+    kg, vg = cpu_gather(cache, slots, head_dim)
+    if not (torch.equal(kg, k) and torch.equal(vg, v)):
+        raise UnsupportedKVLayout(
+            f"the CPU_ATTN cache layout for ISA {isa!r} ({dtype}, head_dim {head_dim}) is not the one this "
+            f"plugin reads; tree speculation cannot run on this vLLM build"
+        )
+
+
+# ---------------------------------------------------------------------------
+# GPU layout [2, num_blocks, block_size, Hkv, D]
+
+
+def gpu_copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """kv_cache[:, dst] <- kv_cache[:, src] over the flattened (block, offset) slot dim; in place."""
+    two, nb, bs = kv_cache.shape[:3]
+    flat = kv_cache.view(two, nb * bs, *kv_cache.shape[3:])
+    flat[:, dst] = flat[:, src].clone()
+
+
+def compaction_pairs(row_slots: list[int], accepted: list[int]) -> list[tuple[int, int]]:
+    """(src, dst) slot pairs that move the accepted path into the first draft rows.
+
+    row_slots[r] is the cache slot of tree row r this step (row 0 = root, row
+    i + 1 = node i; vLLM allocated them linearly by position). The k-th accepted
+    node's row moves to row k, i.e. slot row_slots[1 + node] -> row_slots[k].
+    Rows that are already in place are skipped. Callers read every source before
+    writing any destination, so overlapping pairs are safe.
+    """
+    return [(row_slots[1 + n], row_slots[k]) for k, n in enumerate(accepted, start=1) if n + 1 != k]

@@ -1,0 +1,68 @@
+"""The object vLLM builds as its `custom_class` drafter; it owns our tree drafter.
+
+vLLM constructs `TreeProposer(vllm_config)` because the config route rewrites
+`method: "tree"` to `method: "custom_class"` with this class path. vLLM's own
+`propose(...)` call is never reached: the tree runner's
+`propose_draft_token_ids` calls `propose_trees` with request ids, contexts and
+per-request budgets, which the chain interface cannot carry.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from vllm_tree_spec.config import TreeSpecConfig
+from vllm_tree_spec.drafters.base import DraftRequest, TreeDrafter, TreeProposal
+
+PROPOSER_PATH = "vllm_tree_spec.integration.proposer.TreeProposer"
+
+
+def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
+    """The tree drafter a config asks for."""
+    depth = max(1, cfg.num_slots)
+    if cfg.drafter == "suffix":
+        from vllm_tree_spec.drafters.suffix import SuffixTreeDrafter
+
+        return SuffixTreeDrafter(max_spec_factor=cfg.max_spec_factor, min_token_prob=cfg.min_token_prob)
+    if cfg.drafter == "ngram":
+        from vllm_tree_spec.drafters.ngram import NgramTreeDrafter
+
+        return NgramTreeDrafter(min_n=cfg.prompt_lookup_min, max_n=cfg.prompt_lookup_max, max_depth=depth)
+    if cfg.drafter == "draft_model":
+        from vllm_tree_spec.drafters.draft_model import DraftModelTreeDrafter
+
+        return DraftModelTreeDrafter.from_config(cfg, vllm_config)
+    raise NotImplementedError(f"drafter {cfg.drafter!r} is not available in this build of vllm-tree-spec")
+
+
+class TreeProposer:
+    def __init__(self, vllm_config) -> None:
+        raw = (vllm_config.additional_config or {}).get("tree_spec")
+        if raw is None:
+            raise RuntimeError("TreeProposer needs additional_config['tree_spec']; use method 'tree'")
+        self.cfg = TreeSpecConfig(**raw)
+        self.vllm_config = vllm_config
+        self.drafter = make_drafter(self.cfg, vllm_config)
+
+    def load_model(self, target_model) -> None:  # vLLM calls this after loading the target
+        load = getattr(self.drafter, "load_model", None)
+        if load is not None:
+            load(target_model)
+
+    def propose(self, *args, **kwargs):
+        raise RuntimeError("TreeProposer.propose is not a chain proposer; the tree runner calls propose_trees")
+
+    # -- the tree runner's interface ------------------------------------------------------------
+
+    def make_request(self, req_id: str, token_ids: Sequence[int], state) -> DraftRequest:
+        if req_id not in self.drafter.active_requests:
+            self.drafter.start_request(req_id, list(state.prompt_token_ids or token_ids[:1]))
+        sp = state.sampling_params
+        return DraftRequest(req_id, token_ids, float(sp.temperature) if sp is not None else 0.0)
+
+    def propose_trees(self, requests: list[DraftRequest], budgets: list[int]) -> list[TreeProposal]:
+        return self.drafter.propose(requests, budgets)
+
+    def finish_request(self, req_id: str) -> None:
+        if req_id in self.drafter.active_requests:
+            self.drafter.finish_request(req_id)

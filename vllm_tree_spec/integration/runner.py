@@ -1,0 +1,180 @@
+"""Tree speculation inside vLLM's V1 model runner: four hooks on one step.
+
+    propose_draft_token_ids   the drafter returns a tree per request; vLLM sees its
+                              tokens in topological order (the scheduler may keep a
+                              prefix, which is still a tree); we keep the parents
+    _prepare_inputs           after vLLM's linear slot mapping, rewrite draft rows'
+                              positions to root + depth and record the step's trees
+    _build_attention_metadata attach the step's trees to every layer's metadata so
+                              the attention override applies the tree mask
+    _sample                   tree verification instead of the chain rejection sampler,
+                              then commit: the accepted path's KV moves to rows 1..a,
+                              so the scheduler's rollback sees an ordinary chain
+
+One token's journey: drafted as node i (slot root + 1 + i, position root +
+depth_i) -> attends to the prefix and its ancestors -> accepted at depth k ->
+its KV copied to slot root + k -> vLLM keeps the first k drafts.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from vllm.logger import init_logger
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+from vllm_tree_spec.config import TreeSpecConfig
+from vllm_tree_spec.integration.commit import commit_accepted_paths
+from vllm_tree_spec.integration.stats import TreeStats
+from vllm_tree_spec.integration.tree_sampler import tree_sample, unsupported_reason
+from vllm_tree_spec.integration.tree_step import TreeRequestStep, TreeStep
+
+logger = init_logger(__name__)
+
+
+class TreeRunnerMixin:
+    """Mixed in front of a V1 model runner class (see `TreeCPUModelRunner`)."""
+
+    def _tree_setup(self) -> None:
+        raw = (self.vllm_config.additional_config or {}).get("tree_spec")
+        assert raw is not None, "tree runner built without a tree_spec config"
+        self.tree_cfg = TreeSpecConfig(**raw)
+        self._tree_drafts: dict[str, object] = {}  # req_id -> DraftTree of the last proposal
+        self._tree_step: TreeStep = TreeStep([])
+        self._tree_skip_logged: set[str] = set()
+        self.tree_stats = TreeStats(max_depth=self.tree_cfg.num_slots)
+
+    # -- checks after the model is built --------------------------------------------------------
+
+    def tree_check_attention(self) -> None:
+        """Refuse to run if any attention layer is not tree-aware (no silent causal fallback)."""
+        from vllm.model_executor.layers.attention import Attention
+
+        bad = [name for name, layer in self.compilation_config.static_forward_context.items()
+               if isinstance(layer, Attention) and not getattr(layer.impl, "tree_aware", False)]
+        if bad:
+            raise RuntimeError(
+                f"tree speculation needs tree-aware attention in every layer, but {len(bad)} layers "
+                f"(e.g. {bad[0]}) use {type(self.compilation_config.static_forward_context[bad[0]].impl).__name__}; "
+                f"this model/attention backend is not supported by vllm-tree-spec")
+
+    # -- hook 1: drafting -----------------------------------------------------------------------
+
+    def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
+        t0 = time.perf_counter()
+        req_ids = list(self.input_batch.req_ids)
+        budget = self.tree_cfg.budget_for(len(req_ids))
+        requests, budgets = [], []
+        for i, rid in enumerate(req_ids):
+            state = self.requests[rid]
+            n_tok = int(self.input_batch.num_tokens_no_spec[i])
+            room = self.max_model_len - n_tok - 1
+            nodes = min(budget, room)
+            new = sampled_token_ids[i] if i < len(sampled_token_ids) else []
+            if not new:
+                nodes = 0  # partial prefill: no new token, nothing to draft from
+            reason = unsupported_reason(state.sampling_params)
+            if reason is not None:
+                nodes = 0
+                if rid not in self._tree_skip_logged:
+                    self._tree_skip_logged.add(rid)
+                    logger.info("tree speculation off for request %s: %s", rid, reason)
+            requests.append(self.drafter.make_request(rid, self.input_batch.token_ids_cpu[i, :n_tok], state))
+            budgets.append(max(0, nodes))
+        trees = self.drafter.propose_trees(requests, budgets)
+        drafts: list[list[int]] = []
+        self._tree_drafts = {}
+        for rid, dt, nodes in zip(req_ids, trees, budgets):
+            if dt.tree.num_nodes > nodes:
+                raise RuntimeError(f"drafter returned {dt.tree.num_nodes} nodes for a budget of {nodes}")
+            self._tree_drafts[rid] = dt
+            drafts.append(dt.tree.tokens.tolist() if dt.tree.num_nodes else [])
+        self.tree_stats.draft_s += time.perf_counter() - t0
+        return drafts
+
+    def _update_states(self, scheduler_output):
+        for rid in scheduler_output.finished_req_ids:
+            self._tree_drafts.pop(rid, None)
+            self._tree_skip_logged.discard(rid)
+            self.drafter.finish_request(rid)
+        return super()._update_states(scheduler_output)
+
+    # -- hook 2: positions and the step's trees -------------------------------------------------
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
+        result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+        self._tree_step = self._tree_build_step(scheduler_output)
+        return result
+
+    def _tree_build_step(self, scheduler_output) -> TreeStep:
+        from vllm_tree_spec.verify import Mode
+
+        reqs = []
+        qsl = self.query_start_loc.np
+        for rid, drafted in scheduler_output.scheduled_spec_decode_tokens.items():
+            n = len(drafted)
+            if n == 0:
+                continue
+            dt = self._tree_drafts.get(rid)
+            if dt is None:
+                raise RuntimeError(f"request {rid} has {n} scheduled drafts but no recorded tree")
+            tree = dt.tree.subtree(n)  # the scheduler may keep a topological prefix
+            if tree.tokens.tolist() != list(drafted):
+                raise RuntimeError(f"request {rid}: scheduled drafts {list(drafted)} do not match its tree")
+            idx = self.input_batch.req_id_to_index[rid]
+            root_row = int(qsl[idx + 1]) - n - 1
+            root_pos = int(self.positions[root_row])
+            depth = tree.depth.to(self.positions.device)
+            self.positions[root_row + 1: root_row + 1 + n] = root_pos + depth
+            slots = {}
+            for gid in range(len(self.kv_cache_config.kv_cache_groups)):
+                sm = self.input_batch.block_table[gid].slot_mapping.gpu
+                slots[gid] = sm[root_row: root_row + n + 1].tolist()
+            q = dt.draft_probs[: n + 1] if dt.draft_probs is not None else None
+            reqs.append(TreeRequestStep(rid, idx, root_row, root_pos, tree, Mode(dt.mode), q, slots))
+        return TreeStep(reqs)
+
+    # -- hook 3: the tree mask ------------------------------------------------------------------
+
+    def _build_attention_metadata(self, *args, **kwargs):
+        attn_metadata, common = super()._build_attention_metadata(*args, **kwargs)
+        step = self._tree_step if not kwargs.get("for_cudagraph_capture") else TreeStep([])
+        dicts = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
+        for d in dicts:
+            for md in {id(m): m for m in d.values()}.values():
+                md.tree_step = step
+        return attn_metadata, common
+
+    # -- hook 4: verify + commit ----------------------------------------------------------------
+
+    def _sample(self, logits, spec_decode_metadata):
+        step = self._tree_step
+        if spec_decode_metadata is None or not step:
+            return super()._sample(logits, spec_decode_metadata)
+        self.input_batch.update_async_output_token_ids()
+        t0 = time.perf_counter()
+        output, (tree_idx, result) = tree_sample(self, logits, spec_decode_metadata, step)
+        t1 = time.perf_counter()
+        if result is not None:
+            by_index = step.by_index()
+            reqs = [by_index[b] for b in tree_idx]
+            paths = [result.accepted(j) for j in range(len(reqs))]
+            commit_accepted_paths(self, reqs, paths)
+            self.tree_stats.observe(reqs, paths)
+        self.tree_stats.verify_s += t1 - t0
+        self.tree_stats.commit_s += time.perf_counter() - t1
+        self._tree_step = TreeStep([])
+        return output
+
+
+class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
+    def __init__(self, vllm_config, device):
+        super().__init__(vllm_config, device)
+        self._tree_setup()
+
+    def load_model(self, *args, **kwargs):
+        super().load_model(*args, **kwargs)
+        self.tree_check_attention()

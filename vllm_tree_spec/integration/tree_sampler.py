@@ -1,0 +1,174 @@
+"""Tree verification in place of vLLM's chain rejection sampler.
+
+Input: the step's logits, one row per scheduled row of every request that
+samples ([sum(1 + n_b), V], request-major, root row first). Output: vLLM's
+`SamplerOutput` contract -- `sampled_token_ids [B, max_n + 1]`, accepted tokens
+left-aligned then the recovered/bonus token, -1 padded -- so `parse_output`,
+the scheduler's rollback and the metrics work unchanged.
+
+* Requests without drafts sample their root row with vLLM's own `Sampler`
+  (all of its logits processors apply, exactly as without speculation).
+* Tree requests: p per row = the request's sampling transforms (temperature,
+  min-p, top-k, top-p, allowed token ids, logit bias; see `sampling.py`);
+  the verification mode follows how the children were drafted (greedy for
+  temperature-0 requests); coins come from the request's own generator when it
+  is seeded. Parameters that depend on a row's token history (penalties, bad
+  words, min_tokens, grammars, ...) are never drafted for (`unsupported_reason`).
+* Logprobs, when requested, are computed for every emitted token from the row
+  it was emitted at, like vLLM's rejection sampler does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from vllm_tree_spec.sampling import target_probs
+from vllm_tree_spec.tree import TreeBatch
+from vllm_tree_spec.verify import Mode, TreeVerifyOutput, VerifyCoins, verify_batch
+
+PLACEHOLDER_TOKEN_ID = -1
+
+
+def unsupported_reason(sp) -> str | None:
+    """Why a request's sampling parameters rule out tree drafting (None if they don't)."""
+    if sp is None:
+        return "no sampling parameters (pooling request)"
+    checks = [
+        (sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1,
+         "penalties need per-path token histories"),
+        (bool(sp.bad_words), "bad_words need per-path token histories"),
+        (sp.min_tokens > 0, "min_tokens depends on each row's depth"),
+        (sp.structured_outputs is not None, "structured output grammars validate drafts as a chain"),
+        (getattr(sp, "thinking_token_budget", None) is not None, "thinking budgets read drafts as a chain"),
+        (bool(getattr(sp, "watermarking", None)), "watermarking perturbs logits by position"),
+        (bool(getattr(sp, "logprob_token_ids", None)), "logprob_token_ids is not supported with trees"),
+        (bool(getattr(sp, "extra_args", None)), "per-request extra_args may carry custom logits processors"),
+    ]
+    for bad, why in checks:
+        if bad:
+            return why
+    return None
+
+
+def _row_params(sp, rows: int, vocab: int, device) -> dict:
+    greedy = sp.temperature < 1e-5  # vLLM's _SAMPLING_EPS
+    return dict(
+        temperature=0.0 if greedy else sp.temperature,
+        top_k=sp.top_k if sp.top_k and 0 < sp.top_k < vocab else None,
+        top_p=sp.top_p if sp.top_p < 1.0 else None,
+        min_p=sp.min_p if sp.min_p > 0 else None,
+    )
+
+
+def request_target_probs(logits: torch.Tensor, sp) -> torch.Tensor:
+    """p [rows, V] for one request's tree rows, as vLLM's Sampler would sample them."""
+    x = logits.to(torch.float32)
+    vocab = x.shape[-1]
+    if sp.allowed_token_ids:
+        allowed = torch.zeros(vocab, dtype=torch.bool, device=x.device)
+        allowed[torch.tensor(sp.allowed_token_ids, device=x.device)] = True
+        x = x.masked_fill(~allowed, float("-inf"))
+    if sp.logit_bias:
+        ids = torch.tensor(list(sp.logit_bias.keys()), device=x.device)
+        vals = torch.tensor(list(sp.logit_bias.values()), device=x.device, dtype=x.dtype)
+        x = x.clone()
+        x[:, ids] += vals
+    kw = _row_params(sp, x.shape[0], vocab, x.device)
+    return target_probs(x, **kw)
+
+
+def tree_sample(runner, logits: torch.Tensor, spec_meta, step) -> "SamplerOutput":  # noqa: F821
+    """Verify every tree request of the step; sample the others with vLLM's Sampler."""
+    from vllm.v1.outputs import SamplerOutput
+
+    sampling_metadata = runner.input_batch.sampling_metadata
+    num_draft = list(spec_meta.num_draft_tokens)
+    num_reqs = len(num_draft)
+    starts = [0] * num_reqs
+    for b in range(1, num_reqs):
+        starts[b] = starts[b - 1] + num_draft[b - 1] + 1
+    root_rows = torch.tensor(starts, device=logits.device)
+    max_cols = max(num_draft) + 1
+    out = torch.full((num_reqs, max_cols), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=logits.device)
+
+    # Every request's root row through vLLM's own sampler (exact for requests without drafts).
+    base = runner.sampler(logits=logits[root_rows],
+                          sampling_metadata=replace(sampling_metadata, max_num_logprobs=None))
+    out[:, 0] = base.sampled_token_ids[:, 0].to(torch.int64)
+
+    tree_by_index = step.by_index()
+    tree_idx = [b for b in range(num_reqs) if b in tree_by_index and num_draft[b] > 0]
+    emit_rows = torch.zeros(num_reqs, max_cols, dtype=torch.long, device=logits.device)  # row of each output
+    emit_rows[:, 0] = root_rows
+    result: TreeVerifyOutput | None = None
+    if tree_idx:
+        reqs = [tree_by_index[b] for b in tree_idx]
+        for b, r in zip(tree_idx, reqs):
+            assert r.num_nodes == num_draft[b], (r.req_id, r.num_nodes, num_draft[b])
+        batch = TreeBatch.from_trees([r.tree for r in reqs])
+        probs, drafts, modes, eos, budget, gens = [], [], [], [], [], []
+        any_sampled = False
+        for b, r in zip(tree_idx, reqs):
+            state = runner.requests[r.req_id]
+            sp = state.sampling_params
+            rows = slice(starts[b], starts[b] + r.num_nodes + 1)
+            p = request_target_probs(logits[rows], sp)
+            probs.append(p)
+            mode = Mode.GREEDY if sp.temperature < 1e-5 else r.mode
+            modes.append(int(mode))
+            any_sampled |= mode.needs_draft_probs
+            drafts.append(r.draft_probs if r.draft_probs is not None else torch.zeros_like(p))
+            eos.append(-1 if sp.ignore_eos or sp.eos_token_id is None else sp.eos_token_id)
+            left = (sp.max_tokens - len(state.output_token_ids)) if sp.max_tokens is not None else 1 << 30
+            budget.append(max(1, left))
+            gens.append(state.generator)
+        p_all = torch.cat(probs)
+        q_all = torch.cat(drafts).to(p_all) if any_sampled else None
+        coins = None
+        if any(m != Mode.GREEDY for m in modes):
+            coins = VerifyCoins.draw(len(reqs), batch.max_depth, batch.max_children, p_all.shape[1],
+                                     generators=gens, dtype=p_all.dtype, device=p_all.device)
+        result = verify_batch(batch, p_all, q_all, torch.tensor(modes), coins,
+                              eos_token_id=torch.tensor(eos), max_tokens=torch.tensor(budget))
+        result = broadcast_from_first_rank(result)
+        for j, b in enumerate(tree_idx):
+            k = int(result.num_accepted[j]) + 1
+            out[b, :k] = result.output_token_ids[j, :k]
+            # output j' > 0 was emitted at the row of accepted node j'-1 (+1 for the root row)
+            acc = result.accepted_nodes[j, : k - 1]
+            emit_rows[b, 1:k] = starts[b] + 1 + acc
+
+    logprobs_tensors = None
+    if sampling_metadata.max_num_logprobs is not None:
+        logprobs_tensors = _logprobs(runner, logits, emit_rows.flatten(), out.flatten(),
+                                     sampling_metadata.max_num_logprobs)
+    sampler_output = SamplerOutput(sampled_token_ids=out.to(torch.int32), logprobs_tensors=logprobs_tensors)
+    return sampler_output, (tree_idx, result)
+
+
+def _logprobs(runner, logits, rows: torch.Tensor, tokens: torch.Tensor, k: int):
+    """Raw logprobs of every emitted token at the row it was emitted from (rows of padding: token 0)."""
+    lp = runner.sampler.compute_logprobs(logits[rows].to(torch.float32))
+    return runner.sampler.gather_logprobs(lp, k, tokens.clamp(min=0))
+
+
+def broadcast_from_first_rank(result: TreeVerifyOutput) -> TreeVerifyOutput:
+    """Make every tensor-parallel rank commit the same path (rank 0's).
+
+    Ranks already agree when their RNG streams agree; the broadcast makes it a
+    guarantee (SGLang once sampled different bonus tokens per rank)."""
+    try:
+        from vllm.distributed import get_tp_group
+
+        group = get_tp_group()
+    except Exception:  # no distributed state (unit tests)
+        return result
+    if group.world_size == 1:
+        return result
+    packed = torch.cat([result.accepted_nodes, result.num_accepted[:, None], result.next_token[:, None],
+                        result.output_token_ids], dim=1)
+    packed = group.broadcast(packed.contiguous(), src=0)
+    d = result.accepted_nodes.shape[1]
+    return TreeVerifyOutput(packed[:, :d], packed[:, d], packed[:, d + 1], packed[:, d + 2:])
