@@ -29,3 +29,7 @@ def register() -> None:
     from vllm_tree_spec.integration import install
 
     install()
+
+
+def is_registered() -> bool:
+    return _registered

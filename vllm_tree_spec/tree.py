@@ -100,8 +100,8 @@ class Tree:
     @staticmethod
     def chain(k: int, tokens: Sequence[int] | torch.Tensor | None = None) -> "Tree":
         """A chain of k draft nodes: linear speculation with k draft tokens."""
-        if k < 0:
-            raise TreeError(f"chain length k = {k} must be >= 0")
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise TreeError(f"chain length k = {k!r} must be an int >= 0")
         return Tree(torch.arange(k) - 1, tokens)
 
     @staticmethod
@@ -119,10 +119,12 @@ class Tree:
                 paths = ast.literal_eval(paths)
             except (ValueError, SyntaxError) as e:
                 raise TreeError(f"tree paths {paths!r} are not a Python literal list of tuples: {e}") from e
+        if isinstance(paths, (int, float)) or not hasattr(paths, "__iter__"):
+            raise TreeError(f"tree paths {paths!r} must be a list of child-rank tuples, e.g. [(0,), (1,), (0, 0)]")
         norm: list[tuple[int, ...]] = []
         for p in paths:
             t = (p,) if isinstance(p, int) else tuple(p)
-            if len(t) == 0 or any((not isinstance(r, int)) or r < 0 for r in t):
+            if len(t) == 0 or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in t):
                 raise TreeError(f"tree path {p!r} must be a non-empty tuple of child ranks >= 0")
             norm.append(t)
         if len(set(norm)) != len(norm):
@@ -260,7 +262,10 @@ class Tree:
         return out
 
     def to_paths(self) -> list[tuple[int, ...]]:
-        """The tree as child-rank paths (inverse of `from_paths` up to node order)."""
+        """The tree as child-rank paths (inverse of `from_paths`, gapped ranks included)."""
+        stored = getattr(self, "_paths", None)
+        if stored is not None:
+            return list(stored)
         rank = self.sibling_rank.tolist()
         return [tuple(rank[j] for j in self.path_to(i)) for i in range(self.num_nodes)]
 
@@ -308,7 +313,7 @@ def unpack_mask(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of `pack_mask`: [..., W] int32 -> [..., n] bool."""
     words = packed.to(torch.int64) & 0xFFFFFFFF
     bits = (words.unsqueeze(-1) >> torch.arange(WORD_BITS, dtype=torch.int64)) & 1
-    return bits.reshape(*packed.shape[:-1], -1)[..., :n].to(torch.bool)
+    return bits.reshape(*packed.shape[:-1], packed.shape[-1] * WORD_BITS)[..., :n].to(torch.bool)
 
 
 # ---------------------------------------------------------------------------
