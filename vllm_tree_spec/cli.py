@@ -199,8 +199,21 @@ class Subcommand:
 
 
 # Register subcommands here (one entry each).
+def _demo_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=200, help="tokens generated per prompt")
+    p.add_argument("--prompts", type=int, default=4, help="number of prompts")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from vllm_tree_spec.demo import main as demo_main
+
+    return demo_main(tokens=args.tokens, num_prompts=args.prompts)
+
+
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("plan", "speculation budget: chain formula or per-batch-size tree plan", _plan_args, _run_plan),
+    Subcommand("demo", "tree drafting + lossless verification on a synthetic target, then a plan",
+               _demo_args, _run_demo),
 )
 
 

@@ -1,0 +1,33 @@
+"""The kernel benchmark driver's quick mode runs end to end (CPU: Triton interpreter)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed")
+
+BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="no CUDA device and TRITON_INTERPRET is not 1",
+)
+def test_run_all_quick(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    import run_all
+
+    assert run_all.main(["--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench_tree_attention.json").read_text())
+    assert all(c["ok"] for c in report["correctness"])
+    tree_rows = [r for r in report["results"] if r["provider"] == "tree_triton"]
+    assert tree_rows and all(r["ms"] and r["ms"] > 0 for r in tree_rows)
+    assert "Tree attention benchmark" in (tmp_path / "summary.md").read_text()
+    sys.modules.pop("run_all", None)
+    sys.modules.pop("bench_tree_attention", None)
