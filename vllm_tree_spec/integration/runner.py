@@ -127,8 +127,7 @@ class TreeRunnerMixin:
             idx = self.input_batch.req_id_to_index[rid]
             root_row = int(qsl[idx + 1]) - n - 1
             root_pos = int(self.positions[root_row])
-            depth = tree.depth.to(self.positions.device)
-            self.positions[root_row + 1: root_row + 1 + n] = root_pos + depth
+            self._tree_set_positions(root_row, root_pos, tree)
             slots = {}
             for gid in range(len(self.kv_cache_config.kv_cache_groups)):
                 sm = self.input_batch.block_table[gid].slot_mapping.gpu
@@ -136,6 +135,11 @@ class TreeRunnerMixin:
             q = dt.draft_probs[: n + 1] if dt.draft_probs is not None else None
             reqs.append(TreeRequestStep(rid, idx, root_row, root_pos, tree, Mode(dt.mode), q, slots))
         return TreeStep(reqs)
+
+    def _tree_set_positions(self, root_row: int, root_pos: int, tree) -> None:
+        """Draft rows get root + depth (the slot mapping, already computed, stays linear)."""
+        n = tree.num_nodes
+        self.positions[root_row + 1: root_row + 1 + n] = root_pos + tree.depth.to(self.positions.device)
 
     # -- hook 3: the tree mask ------------------------------------------------------------------
 

@@ -24,6 +24,8 @@ class TreeStats:
     nodes: int = 0  # draft nodes verified
     accepted: int = 0  # draft nodes accepted
     accepted_per_depth: list[int] = field(default_factory=list)
+    branching_rounds: int = 0  # rounds whose tree had a node with >= 2 children
+    off_first_branch: int = 0  # rounds whose accepted path left the rank-0 chain
     draft_s: float = 0.0
     verify_s: float = 0.0
     commit_s: float = 0.0
@@ -39,6 +41,9 @@ class TreeStats:
             self.accepted += len(path)
             for d in range(len(path)):
                 self.accepted_per_depth[d] += 1
+            self.branching_rounds += req.tree.max_children > 1
+            rank = req.tree.sibling_rank
+            self.off_first_branch += any(int(rank[n]) > 0 for n in path)
         if time.monotonic() - self._last_log > LOG_INTERVAL_S:
             self._last_log = time.monotonic()
             from vllm.logger import init_logger
@@ -59,5 +64,6 @@ class TreeStats:
     def as_dict(self) -> dict:
         return dict(rounds=self.rounds, nodes=self.nodes, accepted=self.accepted,
                     accepted_per_depth=list(self.accepted_per_depth), draft_s=self.draft_s,
-                    verify_s=self.verify_s, commit_s=self.commit_s,
+                    verify_s=self.verify_s, commit_s=self.commit_s, branching_rounds=self.branching_rounds,
+                    off_first_branch=self.off_first_branch,
                     mean_accepted_length=self.mean_accepted_length)
