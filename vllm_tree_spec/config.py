@@ -79,6 +79,10 @@ class TreeSpecConfig(BaseModel):
             raise ValueError(f"key 'model' is not used by drafter {self.drafter!r}; remove it")
         if self.drafter != "draft_model" and self.draft_sampling != "topk":
             raise ValueError(f"key 'draft_sampling' applies to drafter 'draft_model' only; remove it")
+        if self.draft_sampling != "topk" and isinstance(self.layout(), TreeShape):
+            raise ValueError(
+                f"key 'tree' = {self.tree!r} is a dynamic shape, but draft_sampling = {self.draft_sampling!r} "
+                f"samples a fixed shape; give explicit paths or 'chain:K'")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError("key 'prompt_lookup_min' must be <= 'prompt_lookup_max'")
         for bs, nodes in (self.budgets or {}).items():

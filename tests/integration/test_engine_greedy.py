@@ -59,6 +59,7 @@ def test_branching_trees_accept_off_the_first_branch(setup):
 
 
 def _controls():
+    from vllm_tree_spec.integration import adapters as adapters_mod
     from vllm_tree_spec.integration import runner as runner_mod
     from vllm_tree_spec.integration.cpu_attention import TreeCPUAttentionImpl
 
@@ -74,7 +75,7 @@ def _controls():
     return {
         "no-tree-mask": [(TreeCPUAttentionImpl, "_tree_rows", causal_mask_only)],
         "linear-positions": [(runner_mod.TreeRunnerMixin, "_tree_set_positions", linear_positions)],
-        "no-kv-commit": [(runner_mod, "commit_accepted_paths", no_commit)],
+        "no-kv-commit": [(adapters_mod, "commit_accepted_paths", no_commit)],
     }
 
 

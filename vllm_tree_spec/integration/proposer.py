@@ -29,10 +29,32 @@ def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
 
         return NgramTreeDrafter(min_n=cfg.prompt_lookup_min, max_n=cfg.prompt_lookup_max, max_depth=depth)
     if cfg.drafter == "draft_model":
-        from vllm_tree_spec.drafters.draft_model import DraftModelTreeDrafter
+        import torch
 
-        return DraftModelTreeDrafter.from_config(cfg, vllm_config)
+        from vllm_tree_spec.drafters.draft_model import DraftModelTreeDrafter
+        from vllm_tree_spec.drafters.policy import DynamicPolicy, SampledPolicy, StaticPolicy
+
+        layout = cfg.layout()
+        if cfg.draft_sampling != "topk":
+            policy = SampledPolicy.of(_static_shape(layout), replacement=cfg.draft_sampling == "sample")
+        elif cfg.is_dynamic:
+            policy = DynamicPolicy.of(layout)
+        else:
+            policy = StaticPolicy.of(_static_shape(layout))
+        dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", torch.float32)
+        return DraftModelTreeDrafter.from_pretrained(cfg.model, policy, dtype=dtype, seed=cfg.seed or 0)
     raise NotImplementedError(f"drafter {cfg.drafter!r} is not available in this build of vllm-tree-spec")
+
+
+def _static_shape(layout):
+    """A shape-only tree for static / sampled policies (a TreeShape becomes its full k-ary expansion)."""
+    from vllm_tree_spec.tree import Tree, TreeShape
+
+    if isinstance(layout, Tree):
+        return layout
+    assert isinstance(layout, TreeShape)
+    raise ValueError(
+        f"tree {layout} is a dynamic shape; with draft_sampling != 'topk' give explicit paths or 'chain:K'")
 
 
 class TreeProposer:

@@ -27,7 +27,7 @@ from vllm.logger import init_logger
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_tree_spec.config import TreeSpecConfig
-from vllm_tree_spec.integration.commit import commit_accepted_paths
+from vllm_tree_spec.integration.adapters import select_adapter
 from vllm_tree_spec.integration.stats import TreeStats
 from vllm_tree_spec.integration.tree_sampler import tree_sample, unsupported_reason
 from vllm_tree_spec.integration.tree_step import TreeRequestStep, TreeStep
@@ -107,6 +107,8 @@ class TreeRunnerMixin:
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
         result = super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
         self._tree_step = self._tree_build_step(scheduler_output)
+        if self._tree_step:
+            self.tree_adapter.prepare(self, self._tree_step)
         return result
 
     def _tree_build_step(self, scheduler_output) -> TreeStep:
@@ -166,7 +168,7 @@ class TreeRunnerMixin:
             by_index = step.by_index()
             reqs = [by_index[b] for b in tree_idx]
             paths = [result.accepted(j) for j in range(len(reqs))]
-            commit_accepted_paths(self, reqs, paths)
+            self.tree_adapter.commit(self, reqs, paths)
             self.tree_stats.observe(reqs, paths)
         self.tree_stats.verify_s += t1 - t0
         self.tree_stats.commit_s += time.perf_counter() - t1
@@ -181,4 +183,5 @@ class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
-        self.tree_check_attention()
+        self.tree_adapter = select_adapter(self)
+        self.tree_adapter.check(self)

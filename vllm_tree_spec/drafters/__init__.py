@@ -1,0 +1,43 @@
+"""Tree drafters: each proposes one draft tree per request per step (the interface is in `base.py`).
+
+    base.py         DraftRequest, TreeProposal, TreeDrafter (the contract the vLLM integration
+                    and the DeepSeek-V4 MTP drafter plug into) and `canonical_tree`
+    policy.py       tree policies for model drafters: static top-k (optionally one Sequoia shape
+                    per budget), dynamic EAGLE-2 / SGLang TreeShape, sampled children
+    suffix.py       model-free trees from Arctic Inference's suffix trees
+    ngram.py        model-free trees from n-gram matches in the request's own context
+    draft_model.py  a small Hugging Face causal LM expanded one level per forward with tree masks
+
+Importing this package imports torch and numpy, but neither vLLM, transformers
+nor arctic-inference: the drafters that need those import them when built.
+"""
+
+from vllm_tree_spec.drafters.base import (
+    DraftRequest,
+    DrafterError,
+    TreeDrafter,
+    TreeProposal,
+    canonical_tree,
+    deterministic_mode,
+)
+from vllm_tree_spec.drafters.draft_model import DraftModelTreeDrafter
+from vllm_tree_spec.drafters.ngram import NgramTreeDrafter
+from vllm_tree_spec.drafters.policy import DynamicPolicy, SampledPolicy, StaticPolicy, TreePolicy, parse_policy
+from vllm_tree_spec.drafters.suffix import SuffixTreeDrafter
+
+__all__ = [
+    "DraftModelTreeDrafter",
+    "DraftRequest",
+    "DrafterError",
+    "DynamicPolicy",
+    "NgramTreeDrafter",
+    "SampledPolicy",
+    "StaticPolicy",
+    "SuffixTreeDrafter",
+    "TreeDrafter",
+    "TreePolicy",
+    "TreeProposal",
+    "canonical_tree",
+    "deterministic_mode",
+    "parse_policy",
+]
