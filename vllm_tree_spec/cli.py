@@ -210,10 +210,23 @@ def _run_demo(args: argparse.Namespace) -> int:
     return demo_main(tokens=args.tokens, num_prompts=args.prompts)
 
 
+def _serve_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("vllm_args", nargs=argparse.REMAINDER,
+                   help="arguments of `vllm serve`, e.g. MODEL --speculative-config '{\"method\": \"tree\"}'")
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from vllm_tree_spec.integration.launcher import run_vllm_cli
+
+    return run_vllm_cli(["serve", *args.vllm_args])
+
+
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("plan", "speculation budget: chain formula or per-batch-size tree plan", _plan_args, _run_plan),
     Subcommand("demo", "tree drafting + lossless verification on a synthetic target, then a plan",
                _demo_args, _run_demo),
+    Subcommand("serve", "`vllm serve` (OpenAI-compatible server), also on the CPU build of vLLM",
+               _serve_args, _run_serve),
 )
 
 

@@ -92,7 +92,7 @@ class TreeRunnerMixin:
                 raise RuntimeError(f"drafter returned {dt.tree.num_nodes} nodes for a budget of {nodes}")
             self._tree_drafts[rid] = dt
             drafts.append(dt.tree.tokens.tolist() if dt.tree.num_nodes else [])
-        self.tree_stats.draft_s += time.perf_counter() - t0
+        self.tree_stats.add_time("draft", time.perf_counter() - t0)
         return drafts
 
     def _update_states(self, scheduler_output):
@@ -170,8 +170,8 @@ class TreeRunnerMixin:
             paths = [result.accepted(j) for j in range(len(reqs))]
             self.tree_adapter.commit(self, reqs, paths)
             self.tree_stats.observe(reqs, paths)
-        self.tree_stats.verify_s += t1 - t0
-        self.tree_stats.commit_s += time.perf_counter() - t1
+        self.tree_stats.add_time("verify", t1 - t0)
+        self.tree_stats.add_time("commit", time.perf_counter() - t1)
         self._tree_step = TreeStep([])
         return output
 

@@ -30,9 +30,18 @@ class TreeStats:
     verify_s: float = 0.0
     commit_s: float = 0.0
     _last_log: float = field(default_factory=time.monotonic)
+    _timers: object = None
 
     def __post_init__(self) -> None:
         self.accepted_per_depth = [0] * self.max_depth
+        from vllm_tree_spec.integration.metrics import WorkerTimers
+
+        self._timers = WorkerTimers()
+
+    def add_time(self, stage: str, seconds: float) -> None:
+        """stage: draft | verify | commit."""
+        setattr(self, f"{stage}_s", getattr(self, f"{stage}_s") + seconds)
+        self._timers.add(stage, seconds)
 
     def observe(self, reqs: list[TreeRequestStep], paths: list[list[int]]) -> None:
         for req, path in zip(reqs, paths):

@@ -1,0 +1,87 @@
+"""Tree metrics where vLLM users look: Prometheus `/metrics` and the periodic log line.
+
+Two sources, because the numbers live in two processes:
+
+* `TreeSpecStatLogger` (vLLM's `vllm.stat_logger_plugins` entry point, API-server
+  process): from the scheduler's spec-decode stats, which the tree verifier fills
+  with the chain contract, it derives the tree view -- verify rounds, nodes
+  verified, accepted tokens per depth, mean accepted length, nodes per round.
+* Worker timings (draft / verify / commit seconds): the tree runner's counters,
+  exported with prometheus_client when `PROMETHEUS_MULTIPROC_DIR` is set (the
+  `vllm-tree-spec serve` launcher sets it, so every process writes to one
+  registry), and always printed in the worker's periodic "Tree speculation:"
+  log line.
+
+Both are inert in engines without tree speculation.
+"""
+
+from __future__ import annotations
+
+import os
+
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+_METRICS: dict[str, object] = {}  # prometheus collectors are process-global: create once
+
+
+def _metric(kind: str, name: str, doc: str, labels: tuple[str, ...], **kw):
+    if name not in _METRICS:
+        import prometheus_client
+
+        _METRICS[name] = getattr(prometheus_client, kind)(name, doc, labelnames=labels, **kw)
+    return _METRICS[name]
+
+
+class TreeSpecStatLogger(StatLoggerBase):
+    def __init__(self, vllm_config, engine_index: int = 0):
+        self.enabled = "tree_spec" in (vllm_config.additional_config or {})
+        if not self.enabled:
+            return
+        labels = ("model_name", "engine")
+        self.label = dict(model_name=vllm_config.model_config.served_model_name, engine=str(engine_index))
+        gauge_kw = {"multiprocess_mode": "mostrecent"} if os.getenv("PROMETHEUS_MULTIPROC_DIR") else {}
+        self.rounds = _metric("Counter", "vllm_tree_spec:rounds", "Verify rounds with a non-empty tree", labels)
+        self.nodes = _metric("Counter", "vllm_tree_spec:nodes_verified", "Draft tree nodes verified", labels)
+        self.accepted = _metric("Counter", "vllm_tree_spec:accepted_tokens", "Draft nodes accepted", labels)
+        self.per_depth = _metric("Counter", "vllm_tree_spec:accepted_tokens_per_depth",
+                                 "Rounds that accepted a node at this depth", labels + ("depth",))
+        self.mean_len = _metric("Gauge", "vllm_tree_spec:mean_accepted_length",
+                                "Tokens per verify round, bonus included (since start)", labels, **gauge_kw)
+        self.nodes_per_round = _metric("Gauge", "vllm_tree_spec:nodes_per_round",
+                                       "Mean tree size per verify round (since start)", labels, **gauge_kw)
+        self._rounds = self._accepted = self._nodes = 0
+
+    def record(self, scheduler_stats, iteration_stats, mm_cache_stats=None, engine_idx: int = 0):
+        if not self.enabled or scheduler_stats is None or scheduler_stats.spec_decoding_stats is None:
+            return
+        sd = scheduler_stats.spec_decoding_stats
+        if sd.num_drafts == 0:
+            return
+        self._rounds += sd.num_drafts
+        self._accepted += sd.num_accepted_tokens
+        self._nodes += sd.num_draft_tokens
+        self.rounds.labels(**self.label).inc(sd.num_drafts)
+        self.nodes.labels(**self.label).inc(sd.num_draft_tokens)
+        self.accepted.labels(**self.label).inc(sd.num_accepted_tokens)
+        for depth, n in enumerate(sd.num_accepted_tokens_per_pos, start=1):
+            if n:
+                self.per_depth.labels(**self.label, depth=str(depth)).inc(n)
+        self.mean_len.labels(**self.label).set(1 + self._accepted / self._rounds)
+        self.nodes_per_round.labels(**self.label).set(self._nodes / self._rounds)
+
+    def log_engine_initialized(self):
+        pass
+
+
+class WorkerTimers:
+    """Draft / verify / commit seconds from the tree runner, exported in multiprocess mode only."""
+
+    def __init__(self):
+        self.enabled = bool(os.getenv("PROMETHEUS_MULTIPROC_DIR"))
+        if self.enabled:
+            self.seconds = _metric("Counter", "vllm_tree_spec:stage_seconds",
+                                   "Time spent per tree-speculation stage in the worker", ("stage",))
+
+    def add(self, stage: str, seconds: float) -> None:
+        if self.enabled:
+            self.seconds.labels(stage=stage).inc(seconds)
