@@ -13,6 +13,7 @@ import torch
 @dataclass
 class EngineRun:
     outputs: list[list[int]]
+    texts: list[str] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
     tree_stats: dict | None = None
 
@@ -41,7 +42,8 @@ def run_engine(model: str, prompts, params, spec: dict | None = None, patches=()
                 metrics[m.name.split(":")[-1].removeprefix("spec_decode_")] = getattr(m, "values", None) or getattr(m, "value", None)
         runner = tree_runner(llm)
         stats = runner.tree_stats.as_dict() if runner is not None else None
-        return EngineRun([list(o.outputs[0].token_ids) for o in outs], metrics, stats)
+        return EngineRun([list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].text for o in outs], metrics,
+                         stats)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
