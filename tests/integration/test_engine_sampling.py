@@ -49,6 +49,13 @@ def setup(tiny_models):
     return path, model, prompt
 
 
+@pytest.fixture(scope="module")
+def no_spec_counts(setup):
+    path, model, prompt = setup
+    _, b12, b23 = sample(path, prompt, None)
+    return b12, b23
+
+
 def _probs(model, contexts):
     with torch.no_grad():
         logits = model(torch.tensor(contexts)).logits[:, -1]
@@ -109,11 +116,19 @@ def sample(path, prompt, spec):
 @pytest.mark.parametrize("spec", [
     # the suffix cache learns the target's continuations across requests, so its trees get accepted
     {"method": "tree", "drafter": "suffix", "tree": "s3_k3_d8", "min_token_prob": 0.0},
-], ids=["suffix-s3_k3_d8"])
-def test_sampled_distribution_matches_target(setup, spec):
+    # the target as its own draft model: deterministic top-k, i.i.d. and without-replacement children
+    {"method": "tree", "drafter": "draft_model", "tree": "[(0,), (1,), (0, 0), (0, 1), (1, 0)]"},
+    {"method": "tree", "drafter": "draft_model", "tree": "[(0,), (1,), (0, 0), (0, 1), (1, 0)]",
+     "draft_sampling": "sample"},
+    {"method": "tree", "drafter": "draft_model", "tree": "[(0,), (1,), (2,), (0, 0), (0, 1)]",
+     "draft_sampling": "sample_without_replacement"},
+], ids=["suffix-s3_k3_d8", "draft-topk", "draft-iid", "draft-wor"])
+def test_sampled_distribution_matches_target(setup, no_spec_counts, spec):
     path, model, prompt = setup
+    if spec["drafter"] == "draft_model":
+        spec = {**spec, "model": path}
     law = exact_law(model, prompt)
-    base, b12, b23 = sample(path, prompt, None)
+    b12, b23 = no_spec_counts
     run, c12, c23 = sample(path, prompt, spec)
     assert run.tree_stats["accepted"] > N // 8, f"too few accepted drafts to test anything: {run.tree_stats}"
     # zero support: nothing outside the target's support is ever emitted
