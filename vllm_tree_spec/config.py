@@ -41,8 +41,9 @@ class TreeSpecConfig(BaseModel):
     drafter: Literal["suffix", "ngram", "draft_model", "mtp"] = Field(
         "suffix", description="Who proposes the tree.")
     model: str | None = Field(None, description="Draft model path (drafter 'draft_model').")
-    tree: str | list[list[int]] = Field(
-        "s3_k2_d6", description="Tree layout: shape string, explicit rank paths, or 'chain:K'.")
+    tree: str | list[list[int]] | None = Field(
+        None, description="Tree layout: shape string, explicit rank paths, or 'chain:K'. Model-free drafters "
+        "only use its node count; default: 's3_k2_d6', or num_speculative_tokens nodes for suffix/ngram.")
     dynamic: bool | None = Field(None, description="EAGLE-2 rerank (draft_model with a shape).")
     num_speculative_tokens: int | None = Field(None, gt=0, description="Draft slots per request.")
     verification: Literal["auto", "greedy", "deterministic", "sampled", "sampled_without_replacement"] = "auto"
@@ -112,6 +113,10 @@ class TreeSpecConfig(BaseModel):
     def layout(self) -> Tree | TreeShape:
         """The static tree (shape-only `Tree`) or a `TreeShape` for dynamic trees."""
         t = self.tree
+        if t is None:
+            if self.drafter in ("suffix", "ngram") and self.num_speculative_tokens:
+                return Tree.chain(self.num_speculative_tokens)  # only the node budget matters
+            t = "s3_k2_d6"
         if isinstance(t, list):
             return Tree.from_paths([tuple(p) for p in t])
         t = t.strip()
