@@ -128,6 +128,22 @@ def race(p: torch.Tensor, exponential: torch.Tensor) -> torch.Tensor:
     return (p / exponential.to(p.dtype)).argmax(dim=-1)
 
 
+FIXED_POINT_BITS = 60
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """Order-independent sum over the last dim (keepdim).
+
+    Entries (probabilities; a row total < 8) are truncated to int64 multiples of
+    2^-60 and added as integers, so CPU, CUDA and the Triton kernel get the same
+    bits whatever their reduction order -- which decides `u < ratio` at ulp
+    boundaries. Absolute error <= V * 2^-60 (1e-13 at V = 128k).
+    """
+    n = (x.to(torch.float64) * float(2**FIXED_POINT_BITS)).to(torch.int64).sum(-1, keepdim=True)
+    hi, lo = n >> 32, n & 0xFFFFFFFF  # both halves exact in float64: one rounding
+    return ((hi.to(torch.float64) * float(2**32) + lo.to(torch.float64)) * 2.0**-FIXED_POINT_BITS).to(x.dtype)
+
+
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)) over the last dim; rows whose residual is all zero keep p.
 
@@ -135,7 +151,7 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     is accepted with probability 1; it can only appear through rounding.
     """
     r = (p - q).clamp_(min=0)
-    z = r.sum(dim=-1, keepdim=True)
+    z = row_sum(r)
     return torch.where(z > 0, r / torch.where(z > 0, z, torch.ones_like(z)), p)
 
 
@@ -277,14 +293,14 @@ def node_step(
         rank = next((j for j, x in enumerate(child_tokens) if x == y), None)
         return rank, y
     for rank, x in enumerate(child_tokens):
-        ratio = float(p[x]) / float(q[x]) if float(q[x]) > 0 else 0.0  # q(x) = 0: reject
+        ratio = float(p[x] / q[x]) if float(q[x]) > 0 else 0.0  # q(x) = 0: reject; in p's dtype, as the batch
         if coins.accept(ratio, depth, rank):
             return rank, x
         p = residual(p, q)
         if mode == Mode.SAMPLED_WITHOUT_REPLACEMENT:
             q = q.clone()
             q[x] = 0  # the next child was drawn from q without x
-            q = q / q.sum()
+            q = q / row_sum(q)
     return None, coins.draw(p, depth)
 
 
@@ -498,7 +514,7 @@ def verify_batch(
             wor = step & wor_row
             if bool(wor.any()):
                 q_new = q_cur.scatter(1, x[:, None], 0.0)
-                q_new = q_new / q_new.sum(-1, keepdim=True).clamp(min=torch.finfo(q_new.dtype).tiny)
+                q_new = q_new / row_sum(q_new).clamp(min=torch.finfo(q_new.dtype).tiny)
                 q_cur = torch.where(wor[:, None], q_new, q_cur)
             done |= acc
         p_final = p_cur

@@ -19,7 +19,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
-BENCHMARKS = ["bench_tree_attention"]  # later: verification and DeepSeek-V4 kernels
+BENCHMARKS = ["bench_tree_attention", "bench_verify_commit"]  # later: DeepSeek-V4 kernels
 
 
 def main(argv: list[str] | None = None) -> int:

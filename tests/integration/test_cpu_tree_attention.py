@@ -1,0 +1,110 @@
+"""The CPU_ATTN override against a per-node oracle: each node attends to prefix + root + its path.
+
+Covers what the tiny Llama engine tests do not: sliding windows (measured in
+positions), softcap, attention sinks, GQA ratios, several requests with
+different trees and shuffled cache blocks, bf16 caches. K/V are written with
+vLLM's own cache op, so the test also pins our reading of the cache layout.
+"""
+
+import math
+import random
+
+import pytest
+import torch
+
+from vllm_tree_spec.integration.tree_step import TreeRequestStep, TreeStep
+from vllm_tree_spec.tree import Tree
+from vllm_tree_spec.verify import Mode
+
+
+def _random_tree(rng: random.Random, n: int) -> Tree:
+    return Tree([rng.randint(-1, i - 1) for i in range(n)], [rng.randrange(100) for _ in range(n)])
+
+
+def _oracle(q, k_all, v_all, req: TreeRequestStep, scale, window, softcap, sinks, g):
+    """Per node: softmax over prefix + root + ancestors-or-self (positions root + depth), in float64."""
+    out = []
+    depth = req.tree.depth.tolist()
+    for i in range(req.num_nodes):
+        keys = list(range(req.root_pos + 1)) + [req.root_pos + 1 + j for j in req.tree.path_to(i)]
+        kpos = list(range(req.root_pos + 1)) + [req.root_pos + depth[j] for j in req.tree.path_to(i)]
+        qpos = req.root_pos + depth[i]
+        if window:
+            keep = [t for t, p in enumerate(kpos) if p > qpos - window]
+            keys = [keys[t] for t in keep]
+        kk = k_all[keys].double().repeat_interleave(g, dim=1)  # [s, H, D]
+        vv = v_all[keys].double().repeat_interleave(g, dim=1)
+        s = torch.einsum("hd,shd->hs", q[req.root_row + 1 + i].double(), kk) * scale
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        if sinks is not None:
+            s = torch.cat([s, sinks.double()[:, None]], dim=1)
+            p = torch.softmax(s, dim=1)[:, :-1]
+        else:
+            p = torch.softmax(s, dim=1)
+        out.append(torch.einsum("hs,shd->hd", p, vv))
+    return torch.stack(out)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("dtype,head_dim,hkv,g,window,softcap,sinks", [
+    (torch.float32, 32, 2, 2, 0, 0.0, False),
+    (torch.float32, 64, 1, 4, 6, 0.0, False),
+    (torch.float32, 32, 2, 1, 0, 5.0, True),
+    (torch.float32, 48, 2, 3, 9, 3.0, True),   # vec16 ISA (head_dim % 32 != 0)
+    (torch.bfloat16, 32, 2, 2, 0, 0.0, False),
+])
+def test_tree_rows_match_path_oracle(dtype, head_dim, hkv, g, window, softcap, sinks):
+    from vllm import _custom_ops as ops
+
+    from vllm_tree_spec.integration.cpu_attention import TreeCPUAttentionImpl
+    from vllm_tree_spec.integration.kv_layout import self_test
+
+    rng = random.Random(head_dim * 7 + g)
+    torch.manual_seed(head_dim + g)
+    isa = "vec" if head_dim % 32 == 0 else "vec16"
+    bs = 32 if isa == "vec" else 16
+    self_test(isa, dtype, head_dim, bs, hkv)
+    h = hkv * g
+    num_blocks = 24
+    kv_cache = torch.zeros(num_blocks, hkv, bs, 2 * head_dim, dtype=dtype)
+    view = kv_cache.view(num_blocks, hkv, 2 * bs, head_dim)
+    kc, vc = view.chunk(2, dim=2)
+    perm = torch.randperm(num_blocks)
+    reqs, q_rows, block_table = [], 0, torch.zeros(3, 8, dtype=torch.int32)
+    k_per_req, v_per_req = [], []
+    for b, (ctx, n) in enumerate([(37, 6), (5, 3), (70, 9)]):
+        tree = _random_tree(rng, n)
+        blocks = perm[b * 8: b * 8 + 8]
+        block_table[b] = blocks.to(torch.int32)
+        seq_len = ctx + 1 + n
+        k = torch.randn(seq_len, hkv, head_dim).to(dtype)
+        v = torch.randn(seq_len, hkv, head_dim).to(dtype)
+        pos = torch.arange(seq_len)
+        slots = blocks[pos // bs].long() * bs + pos % bs
+        ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, isa)
+        reqs.append(TreeRequestStep(f"r{b}", b, q_rows + ctx, ctx, tree, Mode.GREEDY, None, {}))
+        k_per_req.append(k)
+        v_per_req.append(v)
+        q_rows += seq_len  # pretend each request scheduled its whole sequence
+    query = torch.randn(q_rows, h, head_dim).to(dtype)
+    output = torch.zeros(q_rows, h, head_dim, dtype=dtype)
+
+    impl = object.__new__(TreeCPUAttentionImpl)
+    impl.num_heads, impl.head_size, impl.num_kv_heads = h, head_dim, hkv
+    impl.num_queries_per_kv, impl.scale = g, 1 / math.sqrt(head_dim)
+    impl.sliding_window, impl.logits_soft_cap = (window or -1), softcap
+    impl.sinks = torch.randn(h) if sinks else None
+    impl.alibi_slopes = None
+    impl._tree_rows(TreeStep(reqs), query, kv_cache, block_table, output)
+
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    offset = 0
+    for req, k, v in zip(reqs, k_per_req, v_per_req):
+        shifted = TreeRequestStep(req.req_id, req.req_index, req.root_row - offset, req.root_pos, req.tree,
+                                  req.mode, None, {})
+        q_req = query[offset: offset + req.seq_len]
+        expected = _oracle(q_req, k, v, shifted, impl.scale, window, softcap, impl.sinks, g)
+        got = output[req.root_row + 1: req.root_row + 1 + req.num_nodes].double()
+        assert torch.allclose(got, expected, atol=tol, rtol=tol), (got - expected).abs().max()
+        offset += req.seq_len
