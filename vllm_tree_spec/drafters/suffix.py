@@ -145,15 +145,17 @@ class SuffixTreeDrafter(TreeDrafter):
                 out.append(TreeProposal.empty(mode))
                 continue
             context = as_int_list(req.token_ids[-self.max_tree_depth :])
-            draft = self.cache.speculate(
-                req.req_id,
-                context,
-                max_spec_tokens=budget,
-                max_spec_factor=self.max_spec_factor,
-                max_spec_offset=self.max_spec_offset,
-                min_token_prob=self.min_token_prob,
-                use_tree_spec=True,
-            )
-            tree, scores = canonical_tree(draft.parents, draft.token_ids, draft.probs, budget)
+            kw = dict(max_spec_tokens=budget, max_spec_factor=self.max_spec_factor,
+                      max_spec_offset=self.max_spec_offset, min_token_prob=self.min_token_prob)
+            # The library's best chain first (what vLLM's linear `suffix` method verifies), then its
+            # tree's other branches in best-first order: at the same budget the tree contains the
+            # linear draft whenever the chain is shorter than the budget, and never less.
+            chain = self.cache.speculate(req.req_id, context, use_tree_spec=False, **kw)
+            branch = self.cache.speculate(req.req_id, context, use_tree_spec=True, **kw)
+            nc = len(chain.token_ids)
+            parents = list(range(-1, nc - 1)) + [p if p < 0 else p + nc for p in branch.parents]
+            tokens = list(chain.token_ids) + list(branch.token_ids)
+            probs = list(chain.probs) + list(branch.probs)
+            tree, scores = canonical_tree(parents, tokens, probs, budget)
             out.append(TreeProposal(tree, mode, scores=scores))
         return out

@@ -94,6 +94,17 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         n = plan.rows.shape[1]
         hkv, g, d = self.num_kv_heads, self.num_queries_per_kv, self.head_size
         k, v = kv_layout.cpu_gather(kv_cache, plan.slots.flatten(), d)  # [B * S, Hkv, D] each
+        out = output.view(output.shape[0], hkv * g * d)
+        valid = plan.row_valid.flatten()
+        if self.sinks is None and not self.logits_soft_cap:
+            # fused SDPA with a boolean mask; GQA without materialising repeated K/V
+            qs = query.view(query.shape[0], hkv * g, d)[plan.rows].transpose(1, 2)  # [B, H, n, D]
+            ks = k.view(B, S, hkv, d).transpose(1, 2).to(qs.dtype)  # [B, Hkv, S, D]
+            vs = v.view(B, S, hkv, d).transpose(1, 2).to(qs.dtype)
+            res = torch.nn.functional.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=plan.mask[:, None], scale=self.scale, enable_gqa=g > 1)  # [B, H, n, D]
+            out[plan.rows.flatten()[valid]] = res.transpose(1, 2).reshape(B * n, -1)[valid].to(out.dtype)
+            return
         k = k.view(B, S, hkv, d).float()
         v = v.view(B, S, hkv, d).float()
         q = query.view(query.shape[0], hkv, g, d)[plan.rows].float()  # [B, n, Hkv, G, D]
@@ -107,8 +118,6 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         else:
             probs = torch.softmax(scores, dim=-1)
         res = torch.einsum("bkgns,bskd->bnkgd", probs, v)  # [B, n, Hkv, G, D]
-        out = output.view(output.shape[0], hkv * g * d)
-        valid = plan.row_valid.flatten()
         out[plan.rows.flatten()[valid]] = res.reshape(B * n, hkv * g * d)[valid].to(out.dtype)
 
 
