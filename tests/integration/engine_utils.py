@@ -20,7 +20,8 @@ class EngineRun:
 
 def tree_runner(llm):
     """The tree model runner of an in-process engine (None for a non-tree engine)."""
-    runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+    worker = getattr(llm.llm_engine.model_executor, "driver_worker", None)  # None: workers in subprocesses
+    runner = worker.worker.model_runner if worker is not None else None
     return runner if hasattr(runner, "tree_stats") else None
 
 
