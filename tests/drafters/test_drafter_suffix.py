@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from vllm_tree_spec.tree import Tree
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -157,16 +159,25 @@ def test_constructor_validation():
     st.integers(1, 12),
 )
 def test_library_trees_are_topological_with_distinct_siblings_and_passed_through(prompt, response, budget):
-    """arctic-inference returns best-first topological trees; the adapter keeps them as they are."""
+    """The proposal = the library's best chain, then its tree's branches (merged, best-first, to budget)."""
     d = _drafter()
     d.start_request("a", prompt)
     ctx = prompt + response
     (p,) = d.propose([DraftRequest("a", ctx)], [budget])
-    raw = d.cache.speculate(
-        "a", ctx[-d.max_tree_depth :], max_spec_tokens=budget, max_spec_factor=d.max_spec_factor,
-        max_spec_offset=d.max_spec_offset, min_token_prob=d.min_token_prob, use_tree_spec=True,
-    )
-    assert len(raw.token_ids) <= budget
+    kw = dict(max_spec_tokens=budget, max_spec_factor=d.max_spec_factor, max_spec_offset=d.max_spec_offset,
+              min_token_prob=d.min_token_prob)
+    raw = d.cache.speculate("a", ctx[-d.max_tree_depth:], use_tree_spec=True, **kw)
+    chain = d.cache.speculate("a", ctx[-d.max_tree_depth:], use_tree_spec=False, **kw)
+    assert len(raw.token_ids) <= budget and len(chain.token_ids) <= budget
     assert all(par < i for i, par in enumerate(raw.parents))
-    assert p.tree.tokens.tolist() == list(raw.token_ids) and p.tree.parents.tolist() == list(raw.parents)
     assert p.tree.duplicate_siblings() == []
+    assert p.num_nodes <= budget
+    # the linear draft (what vLLM's `suffix` method verifies) is the proposal's first chain
+    nc = len(chain.token_ids)
+    assert p.tree.parents.tolist()[:nc] == list(range(-1, nc - 1))
+    assert p.tree.tokens.tolist()[:nc] == list(chain.token_ids)
+    # every library tree path is in the proposal when the budget leaves room for all of them
+    paths = {tuple(p.tree.path_tokens(i)) for i in range(p.num_nodes)}
+    lib = Tree(raw.parents, raw.token_ids) if raw.token_ids else None
+    if lib is not None and p.num_nodes < budget:
+        assert all(tuple(lib.path_tokens(i)) in paths for i in range(lib.num_nodes))
