@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
-from vllm_tree_spec.tree import Tree
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -13,6 +11,7 @@ pytest.importorskip("arctic_inference.suffix_decoding")
 
 from vllm_tree_spec.drafters.base import DraftRequest, DrafterError  # noqa: E402
 from vllm_tree_spec.drafters.suffix import SuffixTreeDrafter  # noqa: E402
+from vllm_tree_spec.tree import Tree  # noqa: E402
 from vllm_tree_spec.verify import Mode, verify_tree  # noqa: E402
 
 # "4 5" is followed by 6 three times and by 11 once; "4 5 6" by 7 twice and by 9 once.
