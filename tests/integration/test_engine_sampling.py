@@ -97,13 +97,13 @@ def chi_square_fit(counts: dict, law: dict, n: int) -> float:
     return float(stats.chisquare(obs, exp).pvalue)
 
 
-def sample(path, prompt, spec):
+def sample(path, prompt, spec, n=N):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     params = [SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=3, seed=i, ignore_eos=True,
-                             detokenize=False) for i in range(N)]
-    run = run_engine(path, [TokensPrompt(prompt_token_ids=prompt)] * N, params, spec, max_num_seqs=16)
+                             detokenize=False) for i in range(n)]
+    run = run_engine(path, [TokensPrompt(prompt_token_ids=prompt)] * n, params, spec, max_num_seqs=16)
     c12, c23 = {}, {}
     for out in run.outputs:
         c12[tuple(out[:2])] = c12.get(tuple(out[:2]), 0) + 1
@@ -125,16 +125,18 @@ def sample(path, prompt, spec):
 ], ids=["suffix-s3_k3_d8", "draft-topk", "draft-iid", "draft-wor"])
 def test_sampled_distribution_matches_target(setup, no_spec_counts, spec):
     path, model, prompt = setup
+    n = N
     if spec["drafter"] == "draft_model":
         spec = {**spec, "model": path}
+        n = N // 2  # the HF draft model prefills every request's prompt: keep CI time in check
     law = exact_law(model, prompt)
     b12, b23 = no_spec_counts
-    run, c12, c23 = sample(path, prompt, spec)
-    assert run.tree_stats["accepted"] > N // 8, f"too few accepted drafts to test anything: {run.tree_stats}"
+    run, c12, c23 = sample(path, prompt, spec, n)
+    assert run.tree_stats["accepted"] > n // 8, f"too few accepted drafts to test anything: {run.tree_stats}"
     # zero support: nothing outside the target's support is ever emitted
     assert set(c12) <= set(law["12"]) and set(c23) <= set(law["23"])
     for name, counts in (("(t1, t2)", c12), ("(t2, t3)", c23)):
-        p = chi_square_fit(counts, law[name.replace("(t", "").replace(", t", "").replace(")", "")], N)
+        p = chi_square_fit(counts, law[name.replace("(t", "").replace(", t", "").replace(")", "")], n)
         assert p > P_MIN, f"tree speculation {name}: chi-square p = {p:.2e}"
     # the engine without speculation fits the same law (sanity of the exact law itself)
     assert chi_square_fit(b23, law["23"], N) > P_MIN
