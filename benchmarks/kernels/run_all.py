@@ -1,7 +1,7 @@
 """Run every kernel benchmark and collect JSON + Markdown in one folder.
 
     python benchmarks/kernels/run_all.py --quick          # seconds; CPU OK (Triton interpreter), smoke only
-    python benchmarks/kernels/run_all.py                  # full GPU run, ~5 min on an H200 -> runs/kernels/
+    python benchmarks/kernels/run_all.py                  # full GPU run, ~8 min on an H200 -> runs/kernels/
 
 Each benchmark module exposes `run(quick, out_dir, time_budget_s) -> dict` and
 writes `<name>.json` / `<name>.md` into the output folder; this driver adds
@@ -19,7 +19,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
-BENCHMARKS = ["bench_tree_attention", "bench_verify_commit"]  # later: DeepSeek-V4 kernels
+BENCHMARKS = ["bench_tree_attention", "bench_verify_commit", "bench_dsv4_tree"]
 
 
 def main(argv: list[str] | None = None) -> int:
