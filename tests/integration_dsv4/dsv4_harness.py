@@ -1,0 +1,419 @@
+"""Engine harness for the DeepSeek-V4 tree tests: runs, an oracle tree drafter, cache snapshots.
+
+* `run_dsv4` starts an in-process engine on the tiny checkpoint (bf16, eager),
+  generates, and returns outputs, vLLM's spec metrics, the tree runner's and
+  the adapter's counters, plus whatever the `observe` callbacks collected.
+* `OracleTreeDrafter` knows the target's greedy continuation (from a run
+  without speculation) and builds random trees that contain it at a random
+  sibling rank, next to wrong siblings and wrong subtrees; accepted paths are
+  therefore long, often leave the first branch, and siblings complete the
+  same CSA / HCA block in different branches. It is injected by replacing
+  `proposer.make_drafter` (in-process engines only).
+* `snapshot_request_caches` reads, through vLLM's block tables, every
+  position-addressed store of one request: SWA rows of the window, compressor
+  state rows, compressed entries C4 / C128 and indexer keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_tree_spec.drafters.base import DraftRequest, TreeDrafter, TreeProposal, deterministic_mode
+from vllm_tree_spec.tree import Tree
+
+LOW_TOKEN = 7  # keep clear of the tokenizer's specials
+
+
+@dataclass
+class Dsv4Run:
+    outputs: list[list[int]]
+    metrics: dict = field(default_factory=dict)
+    tree_stats: dict | None = None
+    adapter_stats: dict | None = None
+    raw: list | None = None  # vLLM's RequestOutputs (raw_outputs=True)
+
+
+@contextlib.contextmanager
+def stock_tile_scheduler_fix():
+    """Test-only: engines *without* tree speculation need the D3 fix too (vLLM 0.32 CPU bug); tree engines
+    apply it themselves on their builder instances. Class-level, only while a baseline engine runs."""
+    from vllm.models.deepseek_v4.cpu import cpu_mla
+
+    from vllm_tree_spec.integration.dsv4.patches import fixed_build_tile_scheduler
+
+    cls = cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder
+    orig = cls.__dict__["build_tile_scheduler"]
+    cls.build_tile_scheduler = fixed_build_tile_scheduler
+    try:
+        yield
+    finally:
+        cls.build_tile_scheduler = orig
+
+
+def worker_runner(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+def run_dsv4(model: str, prompts, params, spec: dict | None = None, *, max_model_len: int = 640,
+             max_num_seqs: int = 4, drafter_factory=None, on_llm=None, raw_outputs: bool = False,
+             **engine_kwargs) -> Dsv4Run:
+    """Start an engine, generate, collect, shut down. `drafter_factory(cfg)` replaces the tree drafter."""
+    from vllm import LLM
+
+    from vllm_tree_spec.integration import proposer as proposer_mod
+
+    kwargs = dict(model=model, max_model_len=max_model_len, enforce_eager=True, max_num_seqs=max_num_seqs,
+                  seed=0, disable_log_stats=False, speculative_config=spec)
+    kwargs.update(engine_kwargs)
+    orig_make = proposer_mod.make_drafter
+    if drafter_factory is not None:
+        proposer_mod.make_drafter = lambda cfg, vllm_config=None: drafter_factory(cfg)
+    ctx = stock_tile_scheduler_fix() if spec is None else contextlib.nullcontext()
+    try:
+        with ctx:
+            llm = LLM(**kwargs)
+            try:
+                if on_llm is not None:
+                    on_llm(llm)
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                metrics = {}
+                for m in llm.get_metrics():
+                    if "spec_decode" in m.name:
+                        metrics[m.name.split(":")[-1].removeprefix("spec_decode_")] = \
+                            getattr(m, "values", None) or getattr(m, "value", None)
+                runner = worker_runner(llm)
+                stats = runner.tree_stats.as_dict() if hasattr(runner, "tree_stats") else None
+                adapter = getattr(runner, "tree_adapter", None)
+                astats = dict(adapter.stats) if hasattr(adapter, "stats") else None
+                return Dsv4Run([list(o.outputs[0].token_ids) for o in outs], metrics, stats, astats,
+                               outs if raw_outputs else None)
+            finally:
+                restore = getattr(llm, "_tree_spec_restore", None)
+                if restore is not None:
+                    restore()
+                llm.llm_engine.engine_core.shutdown()
+                del llm
+                gc.collect()
+    finally:
+        proposer_mod.make_drafter = orig_make
+
+
+def random_prompts(lengths, seed: int = 0, vocab: int = 512, repeat: float = 0.0) -> list[list[int]]:
+    """Random-token prompts (optionally with repeated motifs so n-gram / suffix drafters find matches)."""
+    rng = random.Random(seed)
+    out = []
+    for n in lengths:
+        motif = [rng.randrange(LOW_TOKEN, vocab) for _ in range(rng.randint(3, 7))]
+        body: list[int] = []
+        while len(body) < n:
+            body += motif if rng.random() < repeat else [rng.randrange(LOW_TOKEN, vocab)]
+        out.append(body[:n])
+    return out
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    if a == b:
+        return None
+    return next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+
+
+# ---------------------------------------------------------------------------
+# Oracle drafter
+
+
+class OracleTreeDrafter(TreeDrafter):
+    """Random trees around the target's true greedy continuation (test drafter).
+
+    shape:
+        "chain"       the true continuation for a random length, then wrong tokens (partial acceptance)
+        "random"      the true path of random length with 1-3 siblings per level (true child at a random
+                      rank), plus wrong subtrees hung from random nodes until the budget is spent
+        "two_branch"  two children of the root, each a chain; the true continuation is the second one
+                      about half the time
+    """
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], shape: str = "random", seed: int = 0,
+                 vocab: int = 512, p_full: float = 0.5):
+        super().__init__()
+        self.truth = truth
+        self.shape = shape
+        self.rng = random.Random(seed)
+        self.vocab = vocab
+        self.p_full = p_full
+
+    def _continuation(self, ctx: list[int]) -> list[int]:
+        for prompt, out in self.truth.items():
+            if len(ctx) >= len(prompt) and tuple(ctx[: len(prompt)]) == prompt:
+                return out[len(ctx) - len(prompt):]
+        raise KeyError(f"no known prompt is a prefix of a {len(ctx)}-token context")
+
+    def _wrong(self, avoid: set[int]) -> int:
+        while True:
+            t = self.rng.randrange(LOW_TOKEN, self.vocab)
+            if t not in avoid:
+                return t
+
+    def _propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[TreeProposal]:
+        out = []
+        for r, b in zip(requests, budgets):
+            mode = deterministic_mode(r.temperature)
+            if b == 0:
+                out.append(TreeProposal.empty(mode))
+                continue
+            cont = self._continuation(list(r.token_ids))
+            parents, tokens = getattr(self, f"_{self.shape}")(cont, b)
+            out.append(TreeProposal(Tree(torch.tensor(parents, dtype=torch.long),
+                                         torch.tensor(tokens, dtype=torch.long)), mode))
+        return out
+
+    def _true_len(self, cont, b):
+        top = min(b, len(cont))
+        return top if self.rng.random() < self.p_full else self.rng.randint(0, top)
+
+    def _chain(self, cont, b):
+        n_true = self._true_len(cont, b)
+        toks = list(cont[:n_true])
+        while len(toks) < b:
+            d = len(toks)
+            toks.append(self._wrong({cont[d]} if d < len(cont) else set()))
+        return [i - 1 for i in range(b)], toks
+
+    def _two_branch(self, cont, b):
+        n_true = self._true_len(cont, max(1, b // 2))
+        true_first = self.rng.random() < 0.5
+        a_len, c_len = (b + 1) // 2, b // 2
+        true_chain = list(cont[:n_true])
+        first_tok = cont[0] if cont else None
+        wrong_chain = [self._wrong({first_tok} if first_tok is not None else set())]
+        while len(wrong_chain) < max(a_len, c_len):
+            wrong_chain.append(self._wrong(set()))
+        while len(true_chain) < max(a_len, c_len):
+            d = len(true_chain)
+            true_chain.append(self._wrong({cont[d]} if d < len(cont) else set()))
+        if n_true == 0:
+            true_chain[0] = self._wrong({wrong_chain[0]} | ({first_tok} if first_tok is not None else set()))
+        chains = [true_chain[:a_len], wrong_chain[:c_len]] if true_first else [wrong_chain[:a_len], true_chain[:c_len]]
+        parents, tokens = [], []
+        for chain in chains:
+            for d, t in enumerate(chain):
+                parents.append(-1 if d == 0 else len(parents) - 1)
+                tokens.append(t)
+        return parents, tokens
+
+    def _random(self, cont, b):
+        parents, tokens, depth = [], [], []
+        children: dict[int, set[int]] = {-1: set()}
+
+        def add(p, t):
+            parents.append(p)
+            tokens.append(t)
+            depth.append(0 if p < 0 else depth[p] + 1)
+            children[p].add(t)
+            children[len(parents) - 1] = set()
+            return len(parents) - 1
+
+        n_true = self._true_len(cont, b)
+        node = -1
+        for d in range(n_true):
+            if len(parents) >= b:
+                break
+            k = self.rng.randint(1, 3)
+            rank = self.rng.randrange(k)
+            true_node = None
+            for j in range(k):
+                if len(parents) >= b:
+                    break
+                if j == rank:
+                    true_node = add(node, cont[d])
+                else:
+                    add(node, self._wrong(children[node] | {cont[d]}))
+            if true_node is None:
+                break
+            node = true_node
+        while len(parents) < b:  # wrong subtrees (deep ones too, so they complete blocks)
+            p = self.rng.choice([-1] + list(range(len(parents))))
+            avoid = set(children[p])
+            on_path = p == -1 or (p < len(parents) and self._is_true_prefix(parents, tokens, p, cont))
+            if on_path:
+                d = 0 if p < 0 else depth[p] + 1
+                if d < len(cont):
+                    avoid.add(cont[d])
+            add(p, self._wrong(avoid))
+        return parents, tokens
+
+    @staticmethod
+    def _is_true_prefix(parents, tokens, node, cont) -> bool:
+        path = []
+        while node >= 0:
+            path.append(tokens[node])
+            node = parents[node]
+        path.reverse()
+        return path == list(cont[: len(path)])
+
+
+# ---------------------------------------------------------------------------
+# Cache snapshots
+
+
+def _positions_slots(block_table_row: torch.Tensor, block_size: int, positions: torch.Tensor) -> torch.Tensor:
+    return block_table_row[positions // block_size].to(torch.long) * block_size + positions % block_size
+
+
+def snapshot_request_caches(runner, req_index: int, length: int) -> dict[str, torch.Tensor]:
+    """Every store of one request for a context of `length` tokens (rows 0 .. length-1), as raw values.
+
+    SWA rows: the last `sliding_window` positions; compressor state rows: the last pooling window of each
+    compressor; compressed entries and indexer keys: all complete ones. Keys name layer and store.
+    """
+    from vllm.models.deepseek_v4.compressor import CompressorStateCache
+    from vllm.models.deepseek_v4.cpu.cpu_sparse import DeepseekV4CPUAttention
+
+    from vllm_tree_spec.integration.dsv4 import layout
+
+    ctx = runner.compilation_config.static_forward_context
+    snap = {}
+    for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+        bt = runner.input_batch.block_table[gid].block_table.gpu[req_index]
+        bs = group.kv_cache_spec.block_size
+        for name in group.layer_names:
+            layer = ctx[name]
+            kv = layer.kv_cache
+            if not isinstance(kv, torch.Tensor) or kv.numel() == 0:
+                continue
+            cls = type(layer).__name__
+            if cls == "DeepseekV4SWACache":
+                w = layer.window_size if hasattr(layer, "window_size") else 128
+                pos = torch.arange(max(0, length - w), length)
+                snap[name] = layout.read_rows(kv, _positions_slots(bt, bs, pos))
+            elif isinstance(layer, CompressorStateCache):
+                pos = torch.arange(max(0, length - layer.sliding_window), length)
+                snap[name] = layout.read_rows(kv, _positions_slots(bt, bs, pos))
+            else:
+                ratio = layer.compress_ratio if isinstance(layer, DeepseekV4CPUAttention) else 4
+                epb = bs // ratio
+                w = torch.arange(length // ratio)
+                snap[name] = layout.read_rows(kv, _positions_slots(bt, epb, w))
+    return snap
+
+
+ROW_BYTE_TOL = 0.05  # fp8 rows: at most 5% of a row's bytes may differ (an ulp of a few values)
+ROW_REL_TOL = 1e-2  # fp32 rows: max |a - b| <= 1e-2 * max(1, max |a|)
+
+
+def compare_snapshots(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Per store: the worst row's mismatch (fp8 stores: fraction of differing bytes; fp32: relative max diff).
+
+    Not bitwise: vLLM's CPU mHC op (hc_pre) is not batch-invariant (about 1% of rows differ in the last bit
+    between a batch of 9 tokens and a batch of 1), so rows computed in a multi-token verify step can differ
+    from sequential decoding by an ulp. A row from the wrong branch, or a stale one, differs everywhere.
+    """
+    out = {}
+    for k in a:
+        x, y = a[k], b[k]
+        if x.shape != y.shape:
+            out[k] = float("inf")
+        elif x.numel() == 0:
+            out[k] = 0.0
+        elif x.dtype == torch.uint8:
+            out[k] = float((x != y).float().mean(-1).max())
+        else:
+            scale = x.abs().amax(-1).clamp(min=1.0)
+            out[k] = float(((x - y).abs().amax(-1) / scale).max())
+    return out
+
+
+def snapshot_mismatches(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Stores whose worst row is beyond the tolerances above."""
+    return {k: v for k, v in compare_snapshots(a, b).items()
+            if v > (ROW_BYTE_TOL if a[k].dtype == torch.uint8 else ROW_REL_TOL)}
+
+
+def snapshot_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------------------
+# Recorders (on_llm callbacks for run_dsv4)
+
+
+def record_base_snapshots(store: dict):
+    """on_llm: after every step of an engine without speculation, snapshot each request's caches.
+
+    Keys (request order index, L): L = tokens whose rows are in the cache (prompt + generated - 1).
+    """
+
+    def on_llm(llm):
+        runner = worker_runner(llm)
+        orig = runner._sample
+
+        def _sample(logits, spec_decode_metadata):
+            out = orig(logits, spec_decode_metadata)
+            for i, rid in enumerate(runner.input_batch.req_ids):
+                length = int(runner.input_batch.num_tokens_no_spec[i])
+                store[(int(rid.split("-")[0]), length)] = snapshot_request_caches(runner, i, length)
+            return out
+
+        runner._sample = _sample
+
+    return on_llm
+
+
+@dataclass
+class TreeRecord:
+    req: int  # request order index
+    root_pos: int
+    context: list[int]  # tokens 0 .. root (inclusive)
+    parents: list[int]
+    tokens: list[int]
+    logprobs: torch.Tensor  # [1 + n, V] log-softmax of the tree step's rows (row 0 = root)
+    accepted: list[int] = field(default_factory=list)
+
+
+def record_tree_steps(records: list, snaps: dict | None = None):
+    """on_llm: record every tree step's rows (log-probs) and, after each refresh, the request's caches."""
+
+    def on_llm(llm):
+        from vllm_tree_spec.integration import runner as runner_mod
+
+        runner = worker_runner(llm)
+        adapter = runner.tree_adapter
+        real_tree_sample = runner_mod.tree_sample
+        pending: dict[str, TreeRecord] = {}
+
+        def tree_sample(rnr, logits, spec_meta, step):
+            num_draft = list(spec_meta.num_draft_tokens)
+            starts = [0]
+            for n in num_draft[:-1]:
+                starts.append(starts[-1] + n + 1)
+            for r in step.requests:
+                rows = logits[starts[r.req_index]: starts[r.req_index] + r.num_nodes + 1].float()
+                ctx = rnr.input_batch.token_ids_cpu[r.req_index, : r.root_pos + 1].tolist()
+                rec = TreeRecord(int(r.req_id.split("-")[0]), r.root_pos, ctx, r.tree.parents.tolist(),
+                                 r.tree.tokens.tolist(), rows.log_softmax(-1))
+                records.append(rec)
+                pending[r.req_id] = rec
+            return real_tree_sample(rnr, logits, spec_meta, step)
+
+        orig_commit = adapter.commit
+
+        def commit(rnr, reqs, paths):
+            n = orig_commit(rnr, reqs, paths)
+            for req, path in zip(reqs, paths):
+                if req.req_id in pending:
+                    pending.pop(req.req_id).accepted = list(path)
+                if snaps is not None:
+                    length = req.root_pos + 1 + len(path)
+                    snaps[(int(req.req_id.split("-")[0]), length)] = \
+                        snapshot_request_caches(rnr, req.req_index, length)
+            return n
+
+        runner_mod.tree_sample = tree_sample
+        adapter.commit = commit
+        llm._tree_spec_restore = lambda: setattr(runner_mod, "tree_sample", real_tree_sample)
+
+    return on_llm

@@ -1,0 +1,186 @@
+"""The MTP tree drafter: DeepSeek-V4's MTP head expanded into a tree, on vLLM's CPU path.
+
+* Unit (no engine, small random MTP layer): the tree session's q at every node
+  equals the MTP head run as a chain along the node's path (tree mask, depth
+  positions, re-fed hidden states); catch-up in pieces equals catch-up at once;
+  the PyTorch mHC fallbacks match vLLM's CPU mHC ops.
+* Engine: with the tiny checkpoint's MTP layer, static and dynamic (EAGLE-2
+  s3_k2_d6) MTP trees give output identical to no speculation, and the drafter
+  really drafts (vLLM's own MTP raises NotImplementedError on CPU).
+"""
+
+import pytest
+import torch
+from dsv4_harness import first_difference, random_prompts, run_dsv4
+
+from vllm_tree_spec import build
+from vllm_tree_spec.drafters.base import DraftRequest
+from vllm_tree_spec.drafters.mtp import MTPConfig, MTPHead, MTPTreeDrafter, _Session, _State
+
+SMALL = MTPConfig(hidden=32, hc=2, heads=4, head_dim=16, rope_dim=8, o_groups=2, window=6, rope_theta=1e4,
+                  eps=1e-6, hc_eps=1e-6, sinkhorn=5, topk_experts=2, routed_scale=1.5, swiglu_limit=10.0, vocab=40)
+
+
+def small_head(seed: int = 0) -> MTPHead:
+    c = SMALL
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, std=None):
+        return torch.randn(*shape, generator=g) * (std if std is not None else shape[-1] ** -0.5)
+
+    mix = (2 + c.hc) * c.hc
+    t = {"embed.weight": r(c.vocab, c.hidden, std=1.0), "head.weight": r(c.vocab, c.hidden),
+         "enorm.weight": torch.ones(c.hidden), "hnorm.weight": torch.ones(c.hidden), "norm.weight": torch.ones(c.hidden),
+         "e_proj.weight": r(c.hidden, c.hidden), "h_proj.weight": r(c.hidden, c.hidden),
+         "hc_head_fn": r(c.hc, c.hc * c.hidden, std=0.1), "hc_head_scale": torch.ones(1),
+         "hc_head_base": torch.zeros(c.hc),
+         "attn_norm.weight": torch.ones(c.hidden), "ffn_norm.weight": torch.ones(c.hidden),
+         "attn.wq_a.weight": r(16, c.hidden), "attn.q_norm.weight": torch.ones(16),
+         "attn.wq_b.weight": r(c.heads * c.head_dim, 16), "attn.wkv.weight": r(c.head_dim, c.hidden),
+         "attn.kv_norm.weight": torch.ones(c.head_dim),
+         "attn.wo_a.weight": r(c.o_groups * 8, c.heads * c.head_dim // c.o_groups),
+         "attn.wo_b.weight": r(c.hidden, c.o_groups * 8), "attn.attn_sink": r(c.heads, std=0.5),
+         "ffn.gate.weight": r(4, c.hidden), "ffn.gate.bias": r(4, std=0.1)}
+    for part in ("attn", "ffn"):
+        t[f"hc_{part}_fn"] = r(mix, c.hc * c.hidden, std=0.1)
+        t[f"hc_{part}_scale"] = torch.ones(3)
+        t[f"hc_{part}_base"] = torch.zeros(mix)
+    for e in list(range(4)) + ["s"]:
+        base = f"ffn.experts.{e}." if e != "s" else "ffn.shared_experts."
+        t[base + "w1.weight"], t[base + "w3.weight"] = r(12, c.hidden), r(12, c.hidden)
+        t[base + "w2.weight"] = r(c.hidden, 12)
+    return MTPHead(t, c, dtype=torch.float32)
+
+
+def _drafter(policy, seed=0):
+    d = MTPTreeDrafter(policy, head=small_head(seed), dtype=torch.float32)
+    return d
+
+
+def _caught_up(d: MTPTreeDrafter, tokens, pieces):
+    """Start a request and feed its committed rows (positions 0 .. len - 2) in `pieces` chunks."""
+    g = torch.Generator().manual_seed(1)
+    n = len(tokens) - 1
+    hidden = torch.randn(n, SMALL.hc * SMALL.hidden, generator=g)
+    positions = torch.arange(n)
+    d.start_request("r", tokens[:3])
+    bounds = [round(i * n / pieces) for i in range(pieces + 1)]
+    for a, b in zip(bounds, bounds[1:]):
+        d.observe_target(["r"], [list(range(a, b))], positions, hidden)
+        d._catch_up(d._states["r"], tokens)
+    return d._states["r"], hidden
+
+
+def _chain_q(d: MTPTreeDrafter, st: _State, path):
+    """q after the path's last node, running the head one row at a time (the oracle)."""
+    h = d.head
+    kv_list = [st.kv[i] for i in range(st.kv.shape[0])]
+    kv_pos = list(range(st.kv_pos0, st.kv_pos0 + st.kv.shape[0]))
+    x, logits = st.root_x, st.root_logits
+    for depth, tok in enumerate(path, start=1):
+        p = st.root_pos - 1 + depth
+
+        def ctx_fn(kv_new, p=p):
+            keep = [k for k, kp in zip(kv_list, kv_pos) if kp > p - SMALL.window]
+            ctx = torch.stack(keep + [kv_new[0]])[None]
+            return ctx, torch.ones(1, ctx.shape[1], dtype=torch.bool)
+
+        xo, kv, lg = h.forward(torch.tensor([tok]), torch.tensor([p]), x[None], ctx_fn)
+        kv_list.append(kv[0])
+        kv_pos.append(p)
+        x, logits = xo[0], lg[0]
+    return torch.softmax(logits, -1)
+
+
+@pytest.mark.parametrize("shape", ["s3_k2_d6", "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]"])
+def test_tree_rows_equal_chained_mtp(shape):
+    d = _drafter(shape)
+    tokens = [int(t) for t in torch.randint(0, SMALL.vocab, (14,), generator=torch.Generator().manual_seed(2))]
+    st, _ = _caught_up(d, tokens, pieces=3)
+    session = _Session(d, [st])
+    policy = d.policy
+    with torch.no_grad():
+        if hasattr(policy, "paths"):
+            tree = build.expand_static_batch(session, list(policy.paths), [()])[0].tree
+        else:
+            tree = build.build_dynamic_batch(session, policy.shape, [()])[0].tree
+        assert tree.num_nodes >= 5
+        expanded = session.nodes[0]  # every tree row the builder asked q for (rows with children)
+        assert len(expanded) >= 2
+        for path, (x, _) in expanded.items():
+            got = torch.softmax(d.head.logits(x[None])[0], -1)
+            ref = _chain_q(d, st, path)
+            assert torch.allclose(got, ref, atol=1e-5), (path, float((got - ref).abs().max()))
+
+
+def test_catch_up_in_pieces_equals_at_once():
+    tokens = [int(t) for t in torch.randint(0, SMALL.vocab, (17,), generator=torch.Generator().manual_seed(3))]
+    a, _ = _caught_up(_drafter("s2_k2_d4"), tokens, pieces=1)
+    b, _ = _caught_up(_drafter("s2_k2_d4"), tokens, pieces=5)
+    assert a.root_pos == b.root_pos == len(tokens) - 1 and a.kv_pos0 == b.kv_pos0
+    assert torch.allclose(a.kv, b.kv, atol=1e-5) and torch.allclose(a.root_logits, b.root_logits, atol=1e-5)
+    assert a.kv.shape[0] == SMALL.window  # only the window is kept
+
+
+def test_propose_returns_valid_trees_and_needs_fresh_state():
+    d = _drafter("s3_k2_d6")
+    tokens = [int(t) for t in torch.randint(0, SMALL.vocab, (9,), generator=torch.Generator().manual_seed(4))]
+    _caught_up(d, tokens, pieces=2)
+    (prop,) = d.propose([DraftRequest("r", tokens, 0.0)], [5])
+    assert prop.num_nodes == 5 and prop.mode.name == "GREEDY"
+    # a root the drafter has not caught up to (missing hidden rows) gets no tree instead of a stale one
+    (stale,) = d.propose([DraftRequest("r", tokens + [1], 0.0)], [5])
+    assert stale.num_nodes == 0
+
+
+@pytest.mark.vllm
+def test_mhc_fallbacks_match_vllm_cpu_ops():
+    from vllm.model_executor.layers.mhc import HCHeadOp, MHCPostOp, MHCPreOp
+
+    from vllm_tree_spec.drafters.mtp import hc_head_torch, mhc_post_torch, mhc_pre_torch
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    with set_current_vllm_config(VllmConfig()):  # CustomOps pick their platform method at construction
+        pre, post, head = MHCPreOp(), MHCPostOp(), HCHeadOp()
+    g = torch.Generator().manual_seed(0)
+    hc, hid = 4, 256
+    x = (torch.randn(5, hc, hid, generator=g) * 2).to(torch.bfloat16)
+    fn = torch.randn((2 + hc) * hc, hc * hid, generator=g) * 0.01
+    scale, base = torch.ones(3), torch.zeros((2 + hc) * hc)
+    kw = dict(rms_eps=1e-6, hc_pre_eps=1e-6, hc_sinkhorn_eps=1e-6, hc_post_mult_value=2.0, sinkhorn_repeat=20)
+    a = pre(residual=x, fn=fn, hc_scale=scale, hc_base=base, **kw)
+    b = mhc_pre_torch(residual=x, fn=fn, hc_scale=scale, hc_base=base, **kw)
+    for u, v in zip(a, b):
+        assert torch.allclose(u.float(), v.float(), atol=2e-2, rtol=2e-2)
+    y = torch.randn(5, hid, generator=g).to(torch.bfloat16)
+    assert torch.allclose(post(y, x, a[0], a[1]).float(), mhc_post_torch(y, x, a[0], a[1]).float(), atol=5e-2)
+    hfn = torch.randn(hc, hc * hid, generator=g) * 0.01
+    assert torch.allclose(head(x, hfn, torch.ones(1), torch.zeros(hc), 1e-6, 1e-6).float(),
+                          hc_head_torch(x, hfn, torch.ones(1), torch.zeros(hc), 1e-6, 1e-6).float(), atol=5e-2)
+
+
+# ---------------------------------------------------------------------------
+# Engine
+
+
+@pytest.fixture(scope="module")
+def setup(dsv4_model):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    raw = random_prompts((70, 250), seed=4)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in raw]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    return prompts, params, run_dsv4(dsv4_model, prompts, params)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("tree", ["s3_k2_d6", "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"], ids=["dynamic", "static"])
+def test_mtp_trees_identical_to_no_speculation(dsv4_model, setup, tree):
+    prompts, params, base = setup
+    run = run_dsv4(dsv4_model, prompts, params, {"method": "tree", "drafter": "mtp", "tree": tree})
+    for i, (a, b) in enumerate(zip(base.outputs, run.outputs)):
+        assert first_difference(a, b) is None, f"prompt {i} differs at {first_difference(a, b)}"
+    st = run.tree_stats
+    assert st["rounds"] >= 40 and st["nodes"] >= 4 * st["rounds"] and st["branching_rounds"] > 0, st

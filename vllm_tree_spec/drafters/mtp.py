@@ -1,0 +1,529 @@
+"""DeepSeek-V4's MTP head as a tree drafter.
+
+The MTP module (`mtp.{k}.*` in DeepSeek-V4 checkpoints) is one SWA-only
+decoder block fed the target's pre-`hc_head` residual h_p (hc_mult streams)
+and the embedding of the next token: the row at position p reads
+(token_{p+1}, h_p) and predicts token_{p+2} (vLLM's `nvidia/mtp.py`):
+
+    x   = h_proj(hnorm(h_p)) + e_proj(enorm(embed(token_{p+1})))     [hc, H], embedding zeroed at p = 0
+    x   = block(x, p)        mHC pre -> SWA attention (window W, sink) -> mHC post -> mHC pre -> MoE -> post
+    q   = softmax(head(norm(hc_head(x))))                            next-next token distribution
+
+Chained drafting re-feeds the block's own output x as the next row's h. A tree
+does the same per node: node n at depth d sits in MTP row position
+root_pos - 1 + d, reads (token_n, x_parent) and attends to the committed MTP
+rows of the window plus its ancestors' rows (tree mask). Children are chosen
+by the policy (`policy.py`: static top-k shapes or the EAGLE-2 dynamic
+rerank) through the builders in `build.py`, exactly as for the draft-model
+drafter: one MTP forward per tree level.
+
+State per request: the committed MTP K = V rows of the last W positions and
+the output (x, logits) of the last committed row. After every target step the
+runner hands over the rows it committed (`observe_target`: prefill rows, or
+the tree's root and accepted nodes); the drafter runs them through the block
+with the target's true hidden states (catch-up), so tree rows never enter the
+committed state and nothing needs rolling back.
+
+vLLM's own MTP path raises NotImplementedError on CPU (`cpu/mtp.py`); this
+drafter drives the same module's weights directly in PyTorch and reuses the
+target's mHC ops (`MHCPreOp`, `MHCPostOp`, `HCHeadOp`), so mixing follows
+vLLM's kernels on every platform. Differences to vLLM's MTP kernels, all
+harmless for a drafter (verification is exact whatever the drafts): the
+window KV is kept in float instead of vLLM's fp8 cache, and the MoE runs as
+plain per-expert matmuls. Weights: bf16/fp32, or FP8 with 128x128 block
+scales (dequantised at load); MXFP4 experts are refused.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from vllm_tree_spec import build
+from vllm_tree_spec.drafters.base import DraftRequest, DrafterError, TreeDrafter, TreeProposal, deterministic_mode
+from vllm_tree_spec.drafters.policy import DynamicPolicy, StaticPolicy, TreePolicy, parse_policy
+from vllm_tree_spec.drafters.suffix import as_int_list
+from vllm_tree_spec.reference.dsv4 import attend_with_sink, rope
+
+FP8_BLOCK = 128
+
+
+# ---------------------------------------------------------------------------
+# Weights
+
+
+def load_checkpoint_tensors(model_dir: str, prefixes: Sequence[str]) -> dict[str, torch.Tensor]:
+    """Tensors whose names start with any of `prefixes`, from the safetensors files of a checkpoint."""
+    from safetensors import safe_open
+
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted({os.path.join(model_dir, v) for k, v in weight_map.items() if k.startswith(tuple(prefixes))})
+    else:
+        files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    out = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                if name.startswith(tuple(prefixes)):
+                    out[name] = f.get_tensor(name)
+    return out
+
+
+def _dequant(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        if w.dtype in (torch.int8, torch.uint8):
+            raise DrafterError("MTP drafter: packed (MXFP4) weights are not supported; use an FP8/BF16 checkpoint")
+        return w.to(dtype)
+    s = scale.float()
+    m, k = w.shape
+    s = s.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:m, :k]
+    return (w.float() * s).to(dtype)
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y if w is None else y * w.float()).to(x.dtype)
+
+
+@dataclass
+class MTPConfig:
+    hidden: int
+    hc: int
+    heads: int
+    head_dim: int
+    rope_dim: int
+    o_groups: int
+    window: int
+    rope_theta: float
+    eps: float
+    hc_eps: float
+    sinkhorn: int
+    topk_experts: int
+    routed_scale: float
+    swiglu_limit: float | None
+    vocab: int
+
+    @staticmethod
+    def from_hf(c: Any) -> "MTPConfig":
+        g = (lambda k, d=None: c.get(k, d)) if isinstance(c, dict) else (lambda k, d=None: getattr(c, k, d))
+        return MTPConfig(
+            hidden=g("hidden_size"), hc=g("hc_mult"), heads=g("num_attention_heads"), head_dim=g("head_dim"),
+            rope_dim=g("qk_rope_head_dim"), o_groups=g("o_groups"), window=g("sliding_window"),
+            rope_theta=float(g("rope_theta", 10000.0)), eps=float(g("rms_norm_eps", 1e-6)),
+            hc_eps=float(g("hc_eps", 1e-6)), sinkhorn=int(g("hc_sinkhorn_iters", 20)),
+            topk_experts=g("num_experts_per_tok"), routed_scale=float(g("routed_scaling_factor", 1.0)),
+            swiglu_limit=g("swiglu_limit"), vocab=g("vocab_size"))
+
+
+class MTPHead:
+    """One DeepSeek-V4 MTP layer in PyTorch (see the module docstring for the maths).
+
+    Args:
+        tensors: checkpoint tensors with the layer's prefix stripped (`enorm.weight`, `attn.wq_a.weight`, ...),
+            plus `embed.weight` and (if the layer has none of its own) `head.weight`.
+        cfg: MTPConfig.
+        mhc_pre, mhc_post, hc_head: callables with vLLM's MHCPreOp / MHCPostOp / HCHeadOp signatures
+            (the target's op instances), or None for the PyTorch fallbacks `mhc_pre_torch` etc.
+    """
+
+    def __init__(self, tensors: dict[str, torch.Tensor], cfg: MTPConfig, *, dtype: torch.dtype = torch.bfloat16,
+                 device: torch.device | str = "cpu", mhc_pre=None, mhc_post=None, hc_head=None):
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        scales = {k[: -len(".scale")]: v for k, v in tensors.items() if k.endswith(".scale")}
+
+        def w(name: str, dt: torch.dtype | None = None) -> torch.Tensor:
+            if name not in tensors:
+                raise DrafterError(f"MTP drafter: checkpoint tensor {name!r} is missing")
+            t = tensors[name]
+            base = name[: -len(".weight")] if name.endswith(".weight") else name
+            t = _dequant(t, scales.get(base), dt or dtype) if t.dim() == 2 and base in scales else t.to(dt or dtype)
+            return t.to(self.device)
+
+        f32 = torch.float32
+        self.embed = w("embed.weight")
+        self.head = w("head.weight")
+        self.enorm, self.hnorm, self.norm = w("enorm.weight", f32), w("hnorm.weight", f32), w("norm.weight", f32)
+        self.e_proj, self.h_proj = w("e_proj.weight"), w("h_proj.weight")
+        self.hc_head_w = [w("hc_head_fn", f32), w("hc_head_scale", f32), w("hc_head_base", f32)]
+        self.hc_attn = [w("hc_attn_fn", f32), w("hc_attn_scale", f32), w("hc_attn_base", f32)]
+        self.hc_ffn = [w("hc_ffn_fn", f32), w("hc_ffn_scale", f32), w("hc_ffn_base", f32)]
+        self.attn_norm, self.ffn_norm = w("attn_norm.weight", f32), w("ffn_norm.weight", f32)
+        a = "attn."
+        self.wq_a, self.wkv, self.wq_b = w(a + "wq_a.weight"), w(a + "wkv.weight"), w(a + "wq_b.weight")
+        self.q_norm, self.kv_norm = w(a + "q_norm.weight", f32), w(a + "kv_norm.weight", f32)
+        wo_a = w(a + "wo_a.weight")
+        self.wo_a = wo_a.view(cfg.o_groups, -1, wo_a.shape[1])  # [G, o_lora, H/G * c]
+        self.wo_b = w(a + "wo_b.weight")
+        self.sink = w(a + "attn_sink", f32)
+        fn = "ffn."
+        self.gate = w(fn + "gate.weight", f32)
+        bias = tensors.get(fn + "gate.bias")
+        self.gate_bias = None if bias is None else bias.to(f32).to(self.device)
+        n_exp = self.gate.shape[0]
+        self.w13 = torch.stack([torch.cat([w(f"{fn}experts.{e}.w1.weight"), w(f"{fn}experts.{e}.w3.weight")])
+                                for e in range(n_exp)])  # [E, 2I, H]
+        self.w2 = torch.stack([w(f"{fn}experts.{e}.w2.weight") for e in range(n_exp)])  # [E, H, I]
+        self.shared13 = (torch.cat([w(fn + "shared_experts.w1.weight"), w(fn + "shared_experts.w3.weight")])
+                         if fn + "shared_experts.w1.weight" in tensors else None)
+        self.shared2 = w(fn + "shared_experts.w2.weight") if self.shared13 is not None else None
+        self._mhc_pre = mhc_pre or mhc_pre_torch
+        self._mhc_post = mhc_post or mhc_post_torch
+        self._hc_head = hc_head or hc_head_torch
+
+    # -- pieces ------------------------------------------------------------------------------------
+
+    def _swiglu(self, gu: torch.Tensor) -> torch.Tensor:
+        d = gu.shape[-1] // 2
+        g, u = gu[..., :d].float(), gu[..., d:].float()
+        lim = self.cfg.swiglu_limit
+        if lim is not None:
+            g, u = g.clamp(max=lim), u.clamp(-lim, lim)
+        return (F.silu(g) * u).to(gu.dtype)
+
+    def moe(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]: sqrt(softplus) routing, bias-steered top-k, renormalised, scaled; + shared."""
+        c = self.cfg
+        logits = x.float() @ self.gate.t()  # [T, E]
+        scores = torch.sqrt(F.softplus(logits))
+        sel = scores + self.gate_bias if self.gate_bias is not None else scores
+        ids = torch.topk(sel, c.topk_experts, dim=-1).indices  # [T, k]
+        wts = scores.gather(1, ids)
+        wts = wts / wts.sum(-1, keepdim=True) * c.routed_scale
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        for e in ids.unique().tolist():
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            h = self._swiglu(F.linear(x[rows], self.w13[e]))
+            out.index_add_(0, rows, F.linear(h, self.w2[e]).float() * wts[rows, slot, None])
+        if self.shared13 is not None:
+            out += F.linear(self._swiglu(F.linear(x, self.shared13)), self.shared2).float()
+        return out.to(x.dtype)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [T, H] -> q [T, heads, c] (per-head unit RMS, RoPE), kv [T, c] (RoPE), float32."""
+        c = self.cfg
+        qr = _rms(F.linear(x, self.wq_a), self.q_norm, c.eps)
+        kv = _rms(F.linear(x, self.wkv), self.kv_norm, c.eps).float()
+        q = F.linear(qr, self.wq_b).view(-1, c.heads, c.head_dim).float()
+        q = rope(_rms(q, None, c.eps), positions, c.rope_theta, c.rope_dim)
+        return q, rope(kv, positions, c.rope_theta, c.rope_dim)
+
+    def attn_out(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        o = rope(o, positions, c.rope_theta, c.rope_dim, inverse=True).to(self.dtype)  # [T, heads, c]
+        o = o.reshape(o.shape[0], c.o_groups, -1)  # [T, G, heads/G * c]
+        z = torch.einsum("tgi,goi->tgo", o, self.wo_a).flatten(1)
+        return F.linear(z, self.wo_b)
+
+    # -- one row set ----------------------------------------------------------------------------------
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor, context_fn):
+        """Rows (token_{p+1}, h_p) at positions p.
+
+        tokens [T], positions [T], prev [T, hc, H] (target residual or an earlier MTP output).
+        context_fn(kv [T, c]) -> (ctx [T, K, c], valid [T, K]): each row's window, its own kv included.
+        Returns (x [T, hc, H] the row outputs, kv [T, c] their K = V rows, logits [T, V]).
+        """
+        c = self.cfg
+        e = F.embedding(tokens, self.embed)
+        e = torch.where((positions == 0)[:, None], torch.zeros_like(e), e)
+        e = _rms(e, self.enorm, c.eps)
+        h = _rms(prev.to(self.dtype), self.hnorm, c.eps)
+        x = F.linear(h, self.h_proj) + F.linear(e, self.e_proj).unsqueeze(-2)  # [T, hc, H]
+        residual = x
+        post, comb, li = self._pre(x, self.hc_attn)
+        q, kv = self.project(_rms(li, self.attn_norm, c.eps), positions)
+        ctx, valid = context_fn(kv)
+        o = attend_with_sink(q, ctx, valid, self.sink)
+        x = self._mhc_post(self.attn_out(o, positions), residual, post, comb)
+        residual = x
+        post, comb, li = self._pre(x, self.hc_ffn)
+        x = self._mhc_post(self.moe(_rms(li, self.ffn_norm, c.eps)), residual, post, comb)
+        return x, kv, self.logits(x)
+
+    def _pre(self, x, w):
+        c = self.cfg
+        return self._mhc_pre(residual=x, fn=w[0], hc_scale=w[1], hc_base=w[2], rms_eps=c.eps, hc_pre_eps=c.hc_eps,
+                             hc_sinkhorn_eps=c.hc_eps, hc_post_mult_value=2.0, sinkhorn_repeat=c.sinkhorn)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.cfg
+        y = self._hc_head(x, self.hc_head_w[0], self.hc_head_w[1], self.hc_head_w[2], c.eps, c.hc_eps)
+        return F.linear(_rms(y, self.norm, c.eps), self.head).float()  # [T, V]
+
+
+# ---------------------------------------------------------------------------
+# PyTorch fallbacks of vLLM's mHC ops (DeepSeek-V4 reference semantics), used when no target ops are given
+
+
+def _split_sinkhorn(mixes, scale, base, hc, iters, eps):
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2.0 * torch.sigmoid(mixes[..., hc: 2 * hc] * scale[1] + base[hc: 2 * hc])
+    comb = mixes[..., 2 * hc:].view(*mixes.shape[:-1], hc, hc) * scale[2] + base[2 * hc:].view(hc, hc)
+    comb = torch.softmax(comb, -1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return pre, post, comb
+
+
+def mhc_pre_torch(residual, fn, hc_scale, hc_base, rms_eps, hc_pre_eps, hc_sinkhorn_eps, hc_post_mult_value,
+                  sinkhorn_repeat, **_):
+    x = residual.flatten(-2).float()  # [T, hc * H]
+    mixes = (x @ fn.t()) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + rms_eps)
+    hc = residual.shape[-2]
+    pre, post, comb = _split_sinkhorn(mixes, hc_scale, hc_base, hc, sinkhorn_repeat, hc_sinkhorn_eps)
+    post = (post * hc_post_mult_value / 2.0).unsqueeze(-1)  # [T, hc, 1], as vLLM's op returns it
+    y = (pre.unsqueeze(-1) * residual.float()).sum(-2)
+    return post, comb, y.to(residual.dtype)
+
+
+def mhc_post_torch(x, residual, post, comb):
+    """out_j = post_j * x + sum_i comb_ij * residual_i; post [T, hc, 1], comb [T, hc, hc]."""
+    y = post * x.float().unsqueeze(-2) + (comb.unsqueeze(-1) * residual.float().unsqueeze(-2)).sum(-3)
+    return y.to(x.dtype)
+
+
+def hc_head_torch(x, fn, scale, base, rms_eps, hc_eps):
+    xf = x.flatten(-2).float()
+    mixes = (xf @ fn.t()) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + rms_eps)
+    gate = torch.sigmoid(mixes * scale[0] + base) + hc_eps
+    return (gate.unsqueeze(-1) * x.float()).sum(-2).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------
+# The drafter
+
+
+@dataclass
+class _State:
+    kv: torch.Tensor | None = None  # [n, c] committed MTP rows at positions kv_pos0 ..
+    kv_pos0: int = 0
+    pending: list = field(default_factory=list)  # [(positions [m], target hidden [m, hc, H])] not yet caught up
+    root_x: torch.Tensor | None = None  # [hc, H] output of the last committed row
+    root_logits: torch.Tensor | None = None  # [V]
+    root_pos: int = -1  # position of the tree root = last committed MTP row position + 1
+
+    @property
+    def next_pos(self) -> int:
+        return self.kv_pos0 + (0 if self.kv is None else self.kv.shape[0])
+
+
+class _Session:
+    """`build.DraftFn` over the MTP head: q at tree rows, one MTP forward per builder call."""
+
+    def __init__(self, drafter: "MTPTreeDrafter", states: list[_State]):
+        self.d, self.states = drafter, states
+        self.nodes: list[dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in states]
+
+    def __call__(self, queries: Sequence[build.DraftQuery]) -> torch.Tensor:
+        out: list[torch.Tensor | None] = [None] * len(queries)
+        rows = []
+        for qi, qr in enumerate(queries):
+            st = self.states[qr.request]
+            if not qr.path:
+                out[qi] = torch.softmax(st.root_logits, -1)
+            else:
+                rows.append((qi, qr.request, tuple(qr.path)))
+        if rows:
+            self._level(rows, out)
+        return torch.stack(out)
+
+    def _level(self, rows, out) -> None:
+        d = self.d
+        tokens, positions, prev, ctx_rows = [], [], [], []
+        for qi, b, path in rows:
+            st = self.states[b]
+            parent = path[:-1]
+            if parent and parent not in self.nodes[b]:
+                raise DrafterError(f"tree row {path} queried before its parent row {parent}")
+            px = st.root_x if not parent else self.nodes[b][parent][0]
+            tokens.append(path[-1])
+            positions.append(st.root_pos - 1 + len(path))
+            prev.append(px)
+            anc = [self.nodes[b][path[:k]][1] for k in range(1, len(path))]
+            ctx_rows.append((st, anc))
+        pos = torch.tensor(positions, device=d.device)
+
+        def context_fn(kv_new):
+            ctxs = []
+            for j, (st, anc) in enumerate(ctx_rows):
+                p = positions[j]
+                lo = max(st.kv_pos0, p - d.head.cfg.window + 1)
+                committed = st.kv[lo - st.kv_pos0:] if st.kv is not None else kv_new[:0]
+                ctxs.append(torch.cat([committed] + [a[None] for a in anc] + [kv_new[j: j + 1]]))
+            return _pad(ctxs)
+
+        x, kv, logits = d.head.forward(torch.tensor(tokens, device=d.device), pos, torch.stack(prev), context_fn)
+        for j, (qi, b, path) in enumerate(rows):
+            self.nodes[b][path] = (x[j], kv[j])
+            out[qi] = torch.softmax(logits[j], -1)
+
+
+def _pad(ctxs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    k = max(c.shape[0] for c in ctxs)
+    ctx = ctxs[0].new_zeros(len(ctxs), k, ctxs[0].shape[-1])
+    valid = torch.zeros(len(ctxs), k, dtype=torch.bool, device=ctx.device)
+    for i, c in enumerate(ctxs):
+        ctx[i, : c.shape[0]] = c
+        valid[i, : c.shape[0]] = True
+    return ctx, valid
+
+
+class MTPTreeDrafter(TreeDrafter):
+    """Tree drafts from DeepSeek-V4's MTP head (static top-k shapes or EAGLE-2 dynamic trees).
+
+    Args:
+        policy: StaticPolicy / DynamicPolicy (or anything `parse_policy` accepts).
+        model_dir: the DeepSeek-V4 checkpoint directory (reads `mtp.{layer}.*`, `embed.weight`, `head.weight`).
+        hf_config: the checkpoint's config (dict or object).
+        layer: which MTP layer drives the drafts (0; DeepSeek-V4 ships one).
+        head: a ready `MTPHead` (tests), instead of model_dir / hf_config.
+    """
+
+    def __init__(self, policy: TreePolicy | Any, *, model_dir: str | None = None, hf_config: Any = None,
+                 layer: int = 0, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
+                 max_num_batched_tokens: int = 8192, head: MTPHead | None = None, validate_proposals: bool = True):
+        super().__init__(validate_proposals=validate_proposals)
+        self.policy = parse_policy(policy)
+        if not isinstance(self.policy, (StaticPolicy, DynamicPolicy)):
+            raise DrafterError("the MTP drafter builds top-k trees (static paths or a dynamic s{steps}_k{topk}_d{n})")
+        self.model_dir, self.hf_config, self.layer = model_dir, hf_config, layer
+        self.dtype, self.device = dtype, torch.device(device)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.head = head
+        self.vocab_size = head.cfg.vocab if head is not None else None
+        self._states: dict[Hashable, _State] = {}
+        self._hidden_source = None  # callable -> [T, hc * H] target residual rows of the last step
+
+    # -- loading ------------------------------------------------------------------------------------
+
+    def load_model(self, target_model=None) -> None:
+        """Load the MTP layer; with a vLLM DeepSeek-V4 target, reuse its mHC ops and make it keep hidden states."""
+        if self.head is not None:
+            return
+        cfg = MTPConfig.from_hf(self.hf_config)
+        prefix = f"mtp.{self.layer}."
+        raw = load_checkpoint_tensors(self.model_dir, [prefix, "embed.", "head."])
+        if not any(k.startswith(prefix) for k in raw):
+            raise DrafterError(f"{self.model_dir}: no MTP layer {self.layer} tensors ({prefix}*) in the checkpoint")
+        tensors = {k[len(prefix):]: v for k, v in raw.items() if k.startswith(prefix)}
+        tensors.setdefault("embed.weight", raw["embed.weight"])
+        tensors.setdefault("head.weight", raw["head.weight"])
+        ops = {}
+        if target_model is not None:
+            inner = getattr(target_model, "model", None)
+            layers = getattr(inner, "layers", None)
+            if layers is not None and len(layers):
+                first = layers[getattr(inner, "start_layer", 0)]
+                ops = dict(mhc_pre=first.mhc_pre, mhc_post=first.mhc_post, hc_head=inner.hc_head_op)
+                if getattr(inner, "_mtp_hidden_buffer", None) is None:
+                    # the target stashes its pre-hc_head residual here every forward (only allocated by vLLM
+                    # for its own EAGLE/MTP methods)
+                    inner._mtp_hidden_buffer = torch.empty(
+                        self.max_num_batched_tokens, cfg.hc * cfg.hidden, dtype=self.dtype, device=self.device)
+                self._hidden_source = target_model.get_mtp_target_hidden_states
+        self.head = MTPHead(tensors, cfg, dtype=self.dtype, device=self.device, **ops)
+        self.vocab_size = cfg.vocab
+
+    # -- lifecycle ----------------------------------------------------------------------------------
+
+    def _start(self, req_id: Hashable, prompt_token_ids: Sequence[int]) -> None:
+        self._states[req_id] = _State()
+
+    def _finish(self, req_id: Hashable) -> None:
+        self._states.pop(req_id, None)
+
+    def observe_target(self, req_ids: Sequence[Hashable], rows: Sequence[Sequence[int]], positions: torch.Tensor,
+                       hidden: torch.Tensor | None = None) -> None:
+        """The target rows committed this step, per request: flattened row indices into `positions` / `hidden`.
+
+        hidden: [T, hc * H] the target's pre-hc_head residual rows (default: read from the target model).
+        """
+        if hidden is None and self._hidden_source is not None:
+            hidden = self._hidden_source()
+        if hidden is None:
+            raise DrafterError("MTP drafter: no target hidden states; load_model(target) first")
+        c = self.head.cfg
+        for rid, r in zip(req_ids, rows):
+            st = self._states.get(rid)
+            if st is None or not len(r):
+                continue
+            idx = torch.as_tensor(list(r), dtype=torch.long)
+            st.pending.append((positions[idx].to(torch.long).cpu(),
+                               hidden[idx.to(hidden.device)].view(-1, c.hc, c.hidden).to(self.dtype).clone()))
+
+    # -- catch-up: committed rows through the MTP head -------------------------------------------------
+
+    def _catch_up(self, st: _State, tokens: list[int]) -> None:
+        c = self.head.cfg
+        for pos, hid in st.pending:
+            keep = pos + 1 < len(tokens)  # the row's next token must be known (it always is after a step)
+            pos, hid = pos[keep], hid[keep]
+            if pos.numel() == 0:
+                continue
+            if int(pos[0]) != st.next_pos:  # history missing (preemption, a skipped step): restart the window
+                st.kv, st.kv_pos0 = None, int(pos[0])
+            toks = torch.tensor([tokens[int(p) + 1] for p in pos], device=self.device)
+            old = st.kv
+
+            def context_fn(kv_new, old=old, pos=pos, st=st):
+                allk = kv_new if old is None else torch.cat([old, kv_new])
+                kpos = torch.arange(st.kv_pos0, st.kv_pos0 + allk.shape[0])
+                p = pos.to(kpos.device)[:, None]
+                valid = (kpos[None] <= p) & (kpos[None] > p - c.window)
+                return allk.unsqueeze(0).expand(len(pos), -1, -1), valid
+
+            x, kv, logits = self.head.forward(toks, pos.to(self.device), hid, context_fn)
+            allk = kv if old is None else torch.cat([old, kv])
+            drop = max(0, allk.shape[0] - c.window)
+            st.kv, st.kv_pos0 = allk[drop:], st.kv_pos0 + drop
+            st.root_x, st.root_logits, st.root_pos = x[-1], logits[-1], int(pos[-1]) + 1
+        st.pending.clear()
+
+    # -- drafting -------------------------------------------------------------------------------------
+
+    def _propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[TreeProposal]:
+        out: list[TreeProposal | None] = [None] * len(requests)
+        groups: dict[Any, list[int]] = {}
+        for i, (req, b) in enumerate(zip(requests, budgets)):
+            st = self._states[req.req_id]
+            tokens = as_int_list(req.token_ids)
+            with torch.no_grad():
+                self._catch_up(st, tokens)
+            mode = deterministic_mode(req.temperature)
+            policy = self.policy.for_budget(b) if b > 0 else None
+            if (policy is None or not policy.max_nodes or st.root_logits is None
+                    or st.root_pos != len(tokens) - 1):  # no fresh MTP state for this root: no tree
+                out[i] = TreeProposal.empty(mode)
+                continue
+            groups.setdefault(policy, []).append(i)
+        for policy, idx in groups.items():
+            states = [self._states[requests[i].req_id] for i in idx]
+            session = _Session(self, states)
+            prefixes = [()] * len(states)
+            with torch.no_grad():
+                if isinstance(policy, StaticPolicy):
+                    trees = build.expand_static_batch(session, list(policy.paths), prefixes)
+                else:
+                    trees = build.build_dynamic_batch(session, policy.shape, prefixes)
+            for i, dt in zip(idx, trees):
+                out[i] = TreeProposal(dt.tree, deterministic_mode(requests[i].temperature), scores=dt.scores)
+        return out  # type: ignore[return-value]
+
+
+def mtp_layer_count(hf_config) -> int:
+    n = hf_config.get("num_nextn_predict_layers", 0) if isinstance(hf_config, dict) else \
+        getattr(hf_config, "num_nextn_predict_layers", 0)
+    return int(n or 0)
+
