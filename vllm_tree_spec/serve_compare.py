@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from vllm_tree_spec.serve_launch import launched, post_json, spec_counters
 
 WARMUP = "List three colours of the rainbow."
 PROMPTS = [
@@ -55,77 +53,24 @@ class RunResult:
         return 1 + self.accepted / self.drafts if self.drafts else None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())
-
-
-def _spec_counters(base: str) -> tuple[float, float]:
-    text = urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()
-    vals = {}
-    for line in text.splitlines():
-        for key in ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"):
-            if line.startswith(key + "{"):
-                vals[key] = vals.get(key, 0.0) + float(line.split()[-1])
-    return vals.get("vllm:spec_decode_num_drafts_total", 0.0), vals.get(
-        "vllm:spec_decode_num_accepted_tokens_total", 0.0)
-
-
 def run_config(name: str, model: str, spec: dict | None, max_tokens: int, concurrency: int,
                log_dir: str) -> RunResult:
-    port = _free_port()
-    base = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "vllm_tree_spec.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "2048", "--enforce-eager", "--max-num-seqs", str(concurrency),
-           "--seed", "0", "--disable-log-requests"]
-    if spec is not None:
-        cmd += ["--speculative-config", json.dumps(spec)]
-    env = dict(os.environ)
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    env.setdefault("OMP_NUM_THREADS", "1")
-    env.pop("PROMETHEUS_MULTIPROC_DIR", None)
-    log_path = os.path.join(log_dir, f"server-{name.replace(' ', '_').replace('/', '_')}.log")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            deadline = time.time() + 300
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server for {name!r} exited ({proc.returncode}); see {log_path}")
-                try:
-                    urllib.request.urlopen(base + "/health", timeout=2)
-                    break
-                except OSError:
-                    if time.time() > deadline:
-                        raise RuntimeError(f"server for {name!r} not healthy after 300 s; see {log_path}")
-                    time.sleep(0.5)
+    with launched(model, spec, name=name, log_dir=log_dir, max_num_seqs=concurrency) as server:
+        base = server.base
 
-            def chat(prompt: str) -> dict:
-                return _post(base + "/v1/chat/completions", {
-                    "model": model, "messages": [{"role": "user", "content": prompt}],
-                    "max_tokens": max_tokens, "temperature": 0})
+        def chat(prompt: str) -> dict:
+            return post_json(base + "/v1/chat/completions", {
+                "model": model, "messages": [{"role": "user", "content": prompt}],
+                "max_tokens": max_tokens, "temperature": 0})
 
-            chat(WARMUP)
-            d0, a0 = _spec_counters(base)
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(concurrency) as pool:
-                outs = list(pool.map(chat, PROMPTS))
-            seconds = time.perf_counter() - t0
-            time.sleep(0.5)
-            d1, a1 = _spec_counters(base)
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        chat(WARMUP)
+        d0, a0 = spec_counters(base)
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            outs = list(pool.map(chat, PROMPTS))
+        seconds = time.perf_counter() - t0
+        time.sleep(0.5)
+        d1, a1 = spec_counters(base)
     texts = [o["choices"][0]["message"]["content"] for o in outs]
     tokens = sum(o["usage"]["completion_tokens"] for o in outs)
     return RunResult(name, spec, texts, tokens, seconds, d1 - d0, a1 - a0)

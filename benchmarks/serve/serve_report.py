@@ -1,0 +1,412 @@
+"""Render a serving-benchmark folder: Markdown table, comparisons, targets, PNG plots.
+
+    python benchmarks/serve/serve_report.py runs/serve/cpu-d6      # rewrites report.md, summary.json, *.png
+
+Reads OUT/runs/*.json (one per run, written by bench_serve.py). Quality is computed here, across runs:
+a run's greedy texts are compared prompt by prompt with the `off` run of the same load (same prompts).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+TARGET_D = 6
+TARGETS = {  # docs/benchmarks.md
+    "accepted_length_gain_d6": 1.20,  # tokens per round, tree / linear, same drafter, D = 6
+    "throughput_gain_c4": 1.25,  # output tok/s, tree / linear at batch (concurrency) 4
+    "throughput_ratio_c64": 1.00,  # never below linear at batch 64
+}
+
+
+def load_runs(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted((Path(out) / "runs").glob("*.json"))]
+
+
+def _g(d, *keys):
+    for k in keys:
+        if d is None:
+            return None
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
+
+
+def _identical(run: dict, base: dict | None) -> tuple[int, int] | None:
+    if base is None or run is base or not run.get("records"):
+        return None
+    ref = {r["id"]: r["text"] for r in base["records"] if r["ok"]}
+    pairs = [(r["text"], ref[r["id"]]) for r in run["records"] if r["ok"] and r["id"] in ref]
+    return sum(a == b for a, b in pairs), len(pairs)
+
+
+def rows(runs: list[dict]) -> list[dict]:
+    offs = {r["run"]["key"]: r for r in runs if r["config"]["kind"] == "off" and not r.get("failed")}
+    out = []
+    for r in runs:
+        res, spec = r.get("results") or {}, r.get("speculation") or {}
+        tree = spec.get("tree") or {}
+        stage = tree.get("stage_ms_per_step") or {}
+        mem = r.get("memory") or {}
+        he = r.get("humaneval") or {}
+        ident = None if r["config"]["kind"] == "off" else _identical(r, offs.get(r["run"]["key"]))
+        out.append({
+            "config": r["config"]["name"], "kind": r["config"]["kind"], "family": r["config"]["family"],
+            "style": r["config"]["style"], "budget": r["config"]["budget"], "mode": r["run"]["mode"],
+            "level": r["run"]["level"], "key": r["run"]["key"], "failed": r.get("failed"),
+            "requests": res.get("requests"), "completed": res.get("completed"), "errors": res.get("errors"),
+            "timeouts": res.get("timeouts"),
+            "tokens_per_round": spec.get("tokens_per_round"), "candidates_per_round": spec.get("candidates_per_round"),
+            "acceptance_rate": spec.get("acceptance_rate"), "accept_prob_per_depth": spec.get("accept_prob_per_depth"),
+            "output_tok_s": res.get("output_tok_s"), "requests_s": res.get("requests_s"),
+            "tok_per_cpu_s": res.get("output_tok_per_cpu_s"),
+            "tokens_per_step": _ratio(spec.get("generation_tokens"), spec.get("engine_steps")),
+            "ttft_ms": [_ms(_g(res, "ttft_s", "median")), _ms(_g(res, "ttft_s", "p95"))],
+            "tpot_ms": [_ms(_g(res, "tpot_s", "median")), _ms(_g(res, "tpot_s", "p95"))],
+            "itl_ms": [_ms(_g(res, "itl_s", "median")), _ms(_g(res, "itl_s", "p95"))],
+            "itl_chunk_ms": [_ms(_g(res, "itl_chunk_s", "median")), _ms(_g(res, "itl_chunk_s", "p95"))],
+            "e2e_s": [_g(res, "e2e_s", "median"), _g(res, "e2e_s", "p95")],
+            "stage_ms_per_step": stage or None, "engine_steps": spec.get("engine_steps"),
+            "peak_rss_gib": (mem.get("peak_rss_bytes") or 0) / 2**30 or None,
+            "identical": ident, "humaneval": (he.get("passed"), he.get("total")) if he else None,
+            "input_tokens": _g(res, "lengths", "input_tokens"), "output_tokens": _g(res, "lengths", "output_tokens"),
+        })
+    order = {"off": 0, "linear": 1, "tree": 2}
+    out.sort(key=lambda x: (x["mode"], x["level"], x["family"] if x["family"] != "off" else "",
+                            x["budget"] or 0, order.get(x["style"], 3), x["config"]))
+    return out
+
+
+def _ms(x):
+    return None if x is None else 1e3 * x
+
+
+def _f(x, nd=2, suffix=""):
+    return "-" if x is None else f"{x:.{nd}f}{suffix}"
+
+
+def _pair(p, nd=0):
+    return "-" if p is None or p[0] is None else f"{p[0]:.{nd}f} / {p[1]:.{nd}f}"
+
+
+def markdown_table(rs: list[dict]) -> str:
+    head = ["config", "load", "ok/err/timeout", "tokens/round", "cand./round", "accept rate", "tok/step", "out tok/s",
+            "tok/CPU-s", "req/s",
+            "TTFT p50/p95 ms", "TPOT p50/p95 ms", "ITL p50/p95 ms", "e2e p50/p95 s",
+            "draft/verify/commit ms/step", "peak RSS GiB", "identical to off", "HumanEval pass"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rs:
+        if r["failed"]:
+            lines.append(f"| {r['config']} | {r['key']} | FAILED: {r['failed'][:80]} |" + " |" * (len(head) - 3))
+            continue
+        st = r["stage_ms_per_step"]
+        stage = "-" if not st else f"{st['draft']:.2f} / {st['verify']:.2f} / {st['commit']:.2f}"
+        ident = "-" if r["identical"] is None else f"{r['identical'][0]}/{r['identical'][1]}"
+        he = "-" if not r["humaneval"] or r["humaneval"][0] is None else f"{r['humaneval'][0]}/{r['humaneval'][1]}"
+        load = f"c={r['level']:g}" if r["mode"] == "concurrency" else f"{r['level']:g} req/s"
+        lines.append("| " + " | ".join([
+            r["config"], load, f"{r['completed']}/{r['errors']}/{r['timeouts']}", _f(r["tokens_per_round"]),
+            _f(r["candidates_per_round"]), _f(r["acceptance_rate"]), _f(r["tokens_per_step"]), _f(r["output_tok_s"], 1),
+            _f(r["tok_per_cpu_s"], 1), _f(r["requests_s"], 3),
+            _pair(r["ttft_ms"]), _pair(r["tpot_ms"], 1), _pair(r["itl_ms"], 1), _pair(r["e2e_s"], 2), stage,
+            _f(r["peak_rss_gib"], 2), ident, he]) + " |")
+    return "\n".join(lines)
+
+
+def comparisons(rs: list[dict]) -> list[dict]:
+    """Tree vs linear (same drafter, D, load) and each vs off."""
+    idx = {(r["family"], r["style"], r["budget"], r["key"], r["kind"]): r for r in rs if not r["failed"]}
+    off = {r["key"]: r for r in rs if r["kind"] == "off" and not r["failed"]}
+    out = []
+    for r in rs:
+        if r["style"] != "tree" or r["failed"]:
+            continue
+        twin = "linear-" + r["kind"][len("tree-"):]  # tree-suffix-wide -> linear-suffix-wide
+        lin = (idx.get((r["family"], "linear", r["budget"], r["key"], twin))
+               or idx.get((r["family"], "linear", r["budget"], r["key"], f"linear-{r['family']}")))
+        o = off.get(r["key"])
+        out.append({
+            "tree": r["config"], "linear": lin["config"] if lin else None, "family": r["family"],
+            "budget": r["budget"], "key": r["key"], "mode": r["mode"], "level": r["level"],
+            "accepted_length_ratio": _ratio(r["tokens_per_round"], lin and lin["tokens_per_round"]),
+            "tokens_per_step_ratio": _ratio(r["tokens_per_step"], lin and lin["tokens_per_step"]),
+            "throughput_ratio_vs_linear": _ratio(r["output_tok_s"], lin and lin["output_tok_s"]),
+            "cpu_efficiency_ratio_vs_linear": _ratio(r["tok_per_cpu_s"], lin and lin["tok_per_cpu_s"]),
+            "cpu_efficiency_ratio_vs_off": _ratio(r["tok_per_cpu_s"], o and o["tok_per_cpu_s"]),
+            "throughput_ratio_vs_off": _ratio(r["output_tok_s"], o and o["output_tok_s"]),
+            "linear_vs_off": _ratio(lin and lin["output_tok_s"], o and o["output_tok_s"]),
+            "tpot_p50_ratio_vs_linear": _ratio(r["tpot_ms"][0], lin and lin["tpot_ms"][0]),
+        })
+    return out
+
+
+def _ratio(a, b):
+    return a / b if a is not None and b else None
+
+
+def targets(cmp: list[dict]) -> list[dict]:
+    """The issue's targets, evaluated on whatever was measured (None = not measured)."""
+    def pick(pred):
+        return [c for c in cmp if c["budget"] == TARGET_D and c["mode"] == "concurrency" and pred(c)]
+
+    out = []
+    for c in pick(lambda c: c["accepted_length_ratio"] is not None):
+        out.append({"target": "accepted length >= +20% over linear at D=6", "where": f"{c['tree']} @ {c['key']}",
+                    "value": c["accepted_length_ratio"], "threshold": TARGETS["accepted_length_gain_d6"],
+                    "met": c["accepted_length_ratio"] >= TARGETS["accepted_length_gain_d6"]})
+    for c in pick(lambda c: c["level"] == 4 and c["throughput_ratio_vs_linear"] is not None):
+        out.append({"target": "throughput >= +25% over linear at batch 4", "where": f"{c['tree']} @ {c['key']}",
+                    "value": c["throughput_ratio_vs_linear"], "cpu_value": c["cpu_efficiency_ratio_vs_linear"],
+                    "threshold": TARGETS["throughput_gain_c4"],
+                    "met": c["throughput_ratio_vs_linear"] >= TARGETS["throughput_gain_c4"]})
+    for c in pick(lambda c: c["level"] == 64 and c["throughput_ratio_vs_linear"] is not None):
+        out.append({"target": "never below linear at batch 64", "where": f"{c['tree']} @ {c['key']}",
+                    "value": c["throughput_ratio_vs_linear"], "cpu_value": c["cpu_efficiency_ratio_vs_linear"],
+                    "threshold": TARGETS["throughput_ratio_c64"],
+                    "met": c["throughput_ratio_vs_linear"] >= TARGETS["throughput_ratio_c64"]})
+    return out
+
+
+def comparison_table(cmp: list[dict]) -> str:
+    lines = ["| tree | vs linear | load | tokens/round tree/linear | tok/step tree/linear | tok/s tree/linear | "
+             "tok/CPU-s tree/linear | TPOT p50 tree/linear | tok/s tree vs off | tok/s linear vs off | "
+             "tok/CPU-s tree vs off |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for c in cmp:
+        lines.append(f"| {c['tree']} | {c['linear'] or '-'} | {c['key']} | {_f(c['accepted_length_ratio'], 3, 'x')} | "
+                     f"{_f(c['tokens_per_step_ratio'], 3, 'x')} | "
+                     f"{_f(c['throughput_ratio_vs_linear'], 3, 'x')} | "
+                     f"{_f(c['cpu_efficiency_ratio_vs_linear'], 3, 'x')} | "
+                     f"{_f(c['tpot_p50_ratio_vs_linear'], 3, 'x')} | "
+                     f"{_f(c['throughput_ratio_vs_off'], 3, 'x')} | {_f(c['linear_vs_off'], 3, 'x')} | "
+                     f"{_f(c['cpu_efficiency_ratio_vs_off'], 3, 'x')} |")
+    return "\n".join(lines)
+
+
+def targets_table(ts: list[dict]) -> str:
+    if not ts:
+        return "(no run measured a target's condition: D = 6 with linear and tree at the same load)"
+    lines = ["| target | measured at | value (throughput: wall clock) | throughput per server CPU-second | "
+             "threshold | met |",
+             "|---|---|---|---|---|---|"]
+    for t in ts:
+        lines.append(f"| {t['target']} | {t['where']} | {t['value']:.3f}x | {_f(t.get('cpu_value'), 3, 'x')} | "
+                     f"{t['threshold']:.2f}x | {'yes' if t['met'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def lengths_table(runs: list[dict]) -> str:
+    """Input/output token distributions per dataset, from the `off` runs (the same prompts for every config)."""
+    base = ([r for r in runs if r["config"]["kind"] == "off" and r.get("results")]
+            or [r for r in runs if r.get("results")])
+    lines = ["| run | dataset | n | input tokens min/median/p95/max | output tokens min/median/p95/max |",
+             "|---|---|---|---|---|"]
+    for r in base:
+        for ds, d in sorted(r["results"]["lengths"]["by_dataset"].items()):
+            i, o = d["input_tokens"], d["output_tokens"]
+            if not o["count"]:
+                continue
+            lines.append(f"| {r['config']['name']} {r['run']['key']} | {ds} | {o['count']} | "
+                         f"{_q(i)} | {_q(o)} |")
+    return "\n".join(lines)
+
+
+def _q(d):
+    if not d or not d["count"]:
+        return "-"
+    return f"{d['min']:.0f} / {d['median']:.0f} / {d['p95']:.0f} / {d['max']:.0f}"
+
+
+def acceptance_profiles(rs: list[dict], env: dict) -> dict:
+    """Per-depth conditional acceptance a[d] = [P(depth d accepted | depth d - 1 accepted)] per configuration.
+
+    Taken at the lowest load measured, in the planner's a[d][r] format with rank 0 only: vLLM's counters give
+    acceptance per depth, not per sibling rank, so a tree run's width is folded into its rank-0 column.
+    """
+    out = {}
+    best: dict[str, dict] = {}
+    for r in rs:
+        if r["failed"] or not r["accept_prob_per_depth"]:
+            continue
+        if r["config"] not in best or (r["mode"], r["level"]) < (best[r["config"]]["mode"], best[r["config"]]["level"]):
+            best[r["config"]] = r
+    for name, r in best.items():
+        probs, table, prev = r["accept_prob_per_depth"], [], 1.0
+        for p in probs:
+            table.append([min(1.0, p / prev) if prev > 0 else 0.0])
+            prev = p
+        while table and table[-1][0] == 0.0:
+            table.pop()
+        if table:
+            out[name] = {"table": table, "source": f"{name} @ {r['key']}, model {Path(str(env.get('model'))).name}: "
+                                                   "per-depth acceptance, rank 0 only"}
+    return out
+
+
+# ---------------------------------------------------------------------------
+# Plots
+
+
+def plots(runs: list[dict], rs: list[dict], out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    ok = [r for r in rs if not r["failed"]]
+    conc = [r for r in ok if r["mode"] == "concurrency"]
+    # 1. throughput vs concurrency, one line per configuration
+    if conc:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for name in sorted({r["config"] for r in conc}):
+            pts = sorted((r["level"], r["output_tok_s"]) for r in conc if r["config"] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title("Throughput vs concurrency")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "throughput_vs_concurrency.png", dpi=110)
+        plt.close(fig)
+        written.append("throughput_vs_concurrency.png")
+    rate = [r for r in ok if r["mode"] == "rate"]
+    if rate:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for name in sorted({r["config"] for r in rate}):
+            pts = sorted((r["level"], r["tpot_ms"][0] or 0) for r in rate if r["config"] == name)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set_xlabel("request rate (req/s, Poisson)")
+        ax.set_ylabel("median TPOT (ms)")
+        ax.set_title("Latency vs request rate")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "latency_vs_rate.png", dpi=110)
+        plt.close(fig)
+        written.append("latency_vs_rate.png")
+    # 2. accepted length vs budget, per drafter family and style, at the lowest load measured
+    spec = [r for r in ok if r["tokens_per_round"] is not None and r["budget"]]
+    if spec:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        lowest = {}
+        for r in spec:
+            k = (r["kind"], r["budget"])
+            if k not in lowest or (r["mode"], r["level"]) < (lowest[k]["mode"], lowest[k]["level"]):
+                lowest[k] = r
+        families = sorted({k.split("-", 1)[1] for k, _ in lowest})  # suffix, ngram, suffix-wide, draft-static...
+        colors = {f: f"C{i}" for i, f in enumerate(families)}
+        for kind in sorted({k for k, _ in lowest}):
+            pts = sorted((b, lowest[(k, b)]["tokens_per_round"]) for k, b in lowest if k == kind)
+            linear = kind.startswith("linear")
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "--" if linear else "-",
+                    marker="s" if linear else "o", color=colors[kind.split("-", 1)[1]], label=kind)
+        budgets = sorted({b for _, b in lowest})
+        ax.set_xticks(budgets)
+        if len(budgets) == 1:
+            ax.set_xlim(budgets[0] - 1, budgets[0] + 1)
+        ax.set_xlabel("verification budget D (draft tokens per request per step)")
+        ax.set_ylabel("tokens per round (accepted + 1)")
+        ax.set_title("Accepted length vs budget (lowest load measured)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "accepted_length_vs_budget.png", dpi=110)
+        plt.close(fig)
+        written.append("accepted_length_vs_budget.png")
+    # 3. inter-token latency CDF (per token), one panel per load level
+    keys = sorted({(r["run"]["mode"], r["run"]["level"]) for r in runs if r.get("records")})
+    if keys:
+        fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 4.0), squeeze=False)
+        for ax, (mode, level) in zip(axes[0], keys):
+            for r in sorted((r for r in runs if r["run"]["mode"] == mode and r["run"]["level"] == level
+                             and r.get("records")), key=lambda r: r["config"]["name"]):
+                itl = sorted(1e3 * x for rec in r["records"] if rec["ok"] for x in _itl_token(rec))
+                if not itl:
+                    continue
+                n = len(itl)
+                ax.plot(itl, [(i + 1) / n for i in range(n)], label=r["config"]["name"])
+            ax.set_xscale("log")
+            ax.set_xlabel("inter-token latency per token (ms)")
+            ax.set_ylabel("fraction of tokens")
+            ax.set_title(f"ITL CDF, {'concurrency' if mode == 'concurrency' else 'rate'} {level:g}")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(out / "itl_cdf.png", dpi=110)
+        plt.close(fig)
+        written.append("itl_cdf.png")
+    return written
+
+
+def _itl_token(rec: dict) -> list[float]:
+    t, k = rec["chunk_t"], rec["chunk_tokens"]
+    out = []
+    for i in range(1, len(t)):
+        out.extend([(t[i] - t[i - 1]) / k[i]] * k[i])
+    return out
+
+
+# ---------------------------------------------------------------------------
+
+
+def write_report(out: Path | str) -> str:
+    out = Path(out)
+    runs = load_runs(out)
+    rs = rows(runs)
+    cmp = comparisons(rs)
+    ts = targets(cmp)
+    pngs = plots(runs, rs, out) if runs else []
+    env = next((r["environment"] for r in runs if r.get("environment")), {})
+    host, ver = env.get("host", {}), env.get("versions", {})
+    md = [
+        f"# Serving benchmark: {out.name}",
+        "",
+        f"Date (UTC): {env.get('date_utc')}; model: `{env.get('model')}`",
+        f"Host: {host.get('cpu')}, {host.get('cores')} cores, {(host.get('memory_bytes') or 0) / 2**30:.0f} GiB, "
+        f"GPU: {host.get('gpu') or 'none'}; load average at start: {host.get('loadavg_at_start')}",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in ver.items() if v) + f"; git {_g(env, 'git', 'commit')}"
+        + (" (dirty)" if _g(env, "git", "dirty") else ""),
+        "",
+        "Definitions: a *round* is one request's verify step with a non-empty draft; tokens/round = 1 + "
+        "accepted/rounds (bonus included); candidates/round = draft tokens (chain) or nodes (tree) verified per "
+        "round; accept rate = accepted / candidates; tok/step = output tokens per engine step (forward pass, "
+        "prefill steps included; at concurrency 1 independent of machine load). ITL is per token (a chunk of k "
+        "tokens after a gap g counts k times g/k); TPOT = (e2e - TTFT)/(tokens - 1); tok/CPU-s = output tokens per "
+        "CPU-second of the server's processes (less sensitive to neighbours' load than wall clock, but vLLM's "
+        "processes also poll while idle, so it is not a pure work measure either). Stage times are "
+        "the tree worker's timers per engine step "
+        "(verify = target distributions + lossless rule, not the forward). Identical = greedy text equal to the "
+        "`off` run on the same prompts.",
+        "",
+        "## Runs",
+        "",
+        markdown_table(rs),
+        "",
+        "## Tree vs linear at equal budget",
+        "",
+        comparison_table(cmp),
+        "",
+        "## Targets",
+        "",
+        targets_table(ts),
+        "",
+        "## Prompt lengths (server-counted tokens, chat template included)",
+        "",
+        lengths_table(runs),
+        "",
+        "Plots: " + (", ".join(f"[{p}]({p})" for p in pngs) or "none"),
+    ]
+    text = "\n".join(md) + "\n"
+    (out / "report.md").write_text(text)
+    (out / "summary.json").write_text(json.dumps({"rows": rs, "comparisons": cmp, "targets": ts,
+                                                  "environment": env, "plots": pngs}, indent=1))
+    (out / "acceptance_profiles.json").write_text(json.dumps(acceptance_profiles(rs, env), indent=1))
+    return text
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: serve_report.py OUT_DIR")
+    print(write_report(sys.argv[1]))

