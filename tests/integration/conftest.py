@@ -21,26 +21,6 @@ pytest.importorskip("vllm", reason="vLLM integration tests need vllm(-cpu)")
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "fixtures"))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from tiny_models import tiny_models  # noqa: E402,F401  (registers the fixture)
+from vllm_cpu import register_cpu_kernel_overrides_once  # noqa: E402
 
-
-def _register_cpu_kernel_overrides_once() -> None:
-    """Test-fixture workaround (recipe §4): CpuPlatform re-registers its Triton kernel overrides at every
-    worker init, which fails for the second engine in one process once numba is imported. Upstream fix:
-    make `register_triton_kernel_overrides` idempotent."""
-    from vllm.platforms.cpu import CpuPlatform
-
-    original = CpuPlatform.register_triton_kernel_overrides.__func__
-    if getattr(original, "_once", False):
-        return
-    done = [False]
-
-    def once(cls):
-        if not done[0]:
-            done[0] = True
-            original(cls)
-
-    once._once = True
-    CpuPlatform.register_triton_kernel_overrides = classmethod(once)
-
-
-_register_cpu_kernel_overrides_once()
+register_cpu_kernel_overrides_once()

@@ -44,20 +44,10 @@ _mode: dict = {"run": None, "why": ""}  # run: "here" | "gate"
 
 
 def _register_cpu_kernel_overrides_once() -> None:
-    from vllm.platforms.cpu import CpuPlatform
+    sys.path.insert(0, str(HERE.parent / "fixtures"))
+    from vllm_cpu import register_cpu_kernel_overrides_once
 
-    original = CpuPlatform.register_triton_kernel_overrides.__func__
-    if getattr(original, "_once", False):
-        return
-    done = [False]
-
-    def once(cls):
-        if not done[0]:
-            done[0] = True
-            original(cls)
-
-    once._once = True
-    CpuPlatform.register_triton_kernel_overrides = classmethod(once)
+    register_cpu_kernel_overrides_once()
 
 
 def _activate() -> None:

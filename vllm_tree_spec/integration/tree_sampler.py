@@ -119,13 +119,15 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step) -> "SamplerOutput
             mode = Mode.GREEDY if sp.temperature < 1e-5 else r.mode
             modes.append(int(mode))
             any_sampled |= mode.needs_draft_probs
-            drafts.append(r.draft_probs if r.draft_probs is not None else torch.zeros_like(p))
+            drafts.append(r.draft_probs)
             eos.append(-1 if sp.ignore_eos or sp.eos_token_id is None else sp.eos_token_id)
             left = (sp.max_tokens - len(state.output_token_ids)) if sp.max_tokens is not None else 1 << 30
             budget.append(max(1, left))
             gens.append(state.generator)
         p_all = torch.cat(probs)
-        q_all = torch.cat(drafts).to(p_all) if any_sampled else None
+        q_all = None
+        if any_sampled:  # rows of deterministic/greedy requests are never read: zeros stand in
+            q_all = torch.cat([q if q is not None else torch.zeros_like(p) for q, p in zip(drafts, probs)]).to(p_all)
         coins = None
         if any(m != Mode.GREEDY for m in modes):
             coins = VerifyCoins.draw(len(reqs), batch.max_depth, batch.max_children, p_all.shape[1],
