@@ -340,3 +340,16 @@ def test_generator_reference_matches_exact_law_chi_square():
         counts[(tuple(acc), nxt)] = counts.get((tuple(acc), nxt), 0) + 1
     assert tokens.numel() == tree.num_nodes
     assert _chi_square(counts, law, n) > 1e-3
+
+
+def test_all_greedy_target_probs_shortcut_equals_the_mixed_path():
+    """`target_probs` skips the softmax when every row is greedy; rows must equal the general path's."""
+    from vllm_tree_spec.sampling import target_probs
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(5, 11, generator=g, dtype=torch.float64)
+    fast = target_probs(logits, temperature=0.0, top_k=3, top_p=0.5, min_p=0.2)
+    mixed = target_probs(torch.cat([logits, logits[:1]]), temperature=torch.tensor([0.0] * 5 + [0.7]),
+                         top_k=3, top_p=0.5, min_p=0.2)
+    assert torch.equal(fast, mixed[:5])
+    assert torch.equal(fast.argmax(-1), logits.argmax(-1)) and torch.equal(fast.sum(-1), torch.ones(5, dtype=fast.dtype))

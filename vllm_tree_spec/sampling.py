@@ -80,6 +80,8 @@ def target_probs(
     greedy = None
     if temp is not None:
         greedy = temp <= GREEDY_TEMPERATURE
+        if bool(greedy.all()):  # all rows greedy: skip the transforms and the softmax (same result)
+            return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         x = x / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(1)
     mp = _per_row(min_p, rows, dt, dev)
     if mp is not None:

@@ -3,15 +3,18 @@
     P1  EngineArgs.create_speculative_config (wrapped, main process)
         Why: SpeculativeConfig rejects method "tree" and unknown keys (Literal method, extra="forbid").
         What: a tree config is validated by TreeSpecConfig, moved to additional_config["tree_spec"], and
-              replaced by a custom_class config pointing at our proposer; worker_cls -> TreeCPUWorker.
+              replaced by a custom_class config pointing at our proposer; worker_cls -> TreeCPUWorker /
+              TreeGPUWorker; on CUDA, compilation_config.cudagraph_mode -> PIECEWISE (attention eager).
         Removal: an upstream plugin hook for speculative methods (a registry like the attention backends').
-    P2  AttentionBackendEnum.CPU_ATTN -> TreeCPUAttentionBackend (documented registry, worker process only)
-        Why: the CPU kernel has no tree mask. What: stock kernel, then draft rows recomputed with the mask.
-        Removal: a tree/custom-mask argument in cpu_attention_with_kv_cache (the CPU op has an unused tree_mask
-              in extend_attention_cpu).
+    P2  AttentionBackendEnum.CPU_ATTN -> TreeCPUAttentionBackend; FLASH_ATTN / TRITON_ATTN ->
+        TreeFlashAttentionBackend / TreeTritonAttentionBackend (documented registry, worker process only)
+        Why: the stock kernels have no tree mask. What: stock kernel, then draft rows recomputed with the
+              mask (CPU: SDPA over gathered keys; GPU: the Triton tree kernel on the paged cache).
+        Removal: a tree/custom-mask argument in the attention ops (the CPU op has an unused tree_mask in
+              extend_attention_cpu; Triton unified_attention's qq_bias is one 2-D bias per batch).
     P3  vllm.v1.worker.cpu_worker.CPUModelRunner swapped during TreeCPUWorker.init_device only
         Why: CPUWorker builds its runner by module-global name and has no factory hook.
-        Removal: a `_make_model_runner` hook on CPUWorker (GPU's Worker has one).
+        Removal: a `_make_model_runner` hook on CPUWorker (GPU's Worker has one; TreeGPUWorker uses it).
     P4  Model-runner method overrides in TreeRunnerMixin (propose_draft_token_ids, _update_states,
         _prepare_inputs, _build_attention_metadata, _sample, initialize_kv_cache), on a subclass used
         only by tree engines; model-specific adapters hook in there (DeepSeek-V4: integration/dsv4/,

@@ -32,13 +32,14 @@ def commit_accepted_paths(runner, requests: list[TreeRequestStep], accepted: lis
         s = torch.tensor(src, dtype=torch.long)
         d = torch.tensor(dst, dtype=torch.long)
         for layer_name, kv_cache, impl in _group_layers(runner, gid):
-            if kv_cache.dim() == 4:  # CPU_ATTN [nb, Hkv, bs, 2D]
+            layout = getattr(impl, "tree_kv_layout", None)  # declared by our attention overrides
+            if layout == "cpu_attn":  # CPU_ATTN [nb, Hkv, bs, 2D], K transposed per block
                 kv_layout.cpu_copy_slots(kv_cache, s, d, impl.head_size)
-            elif kv_cache.dim() == 5 and kv_cache.shape[0] == 2:  # GPU [2, nb, bs, Hkv, D]
-                kv_layout.gpu_copy_slots(kv_cache, s.to(kv_cache.device), d.to(kv_cache.device))
+            elif layout == "paged":  # FLASH_ATTN / TRITON_ATTN [nb, Hkv, bs, 2D] (logical order)
+                kv_layout.paged_copy_slots(kv_cache, s.to(kv_cache.device), d.to(kv_cache.device))
             else:
                 raise kv_layout.UnsupportedKVLayout(
-                    f"layer {layer_name}: KV cache of shape {tuple(kv_cache.shape)} has no tree commit")
+                    f"layer {layer_name}: {type(impl).__name__} (KV cache {tuple(kv_cache.shape)}) has no tree commit")
         moved = max(moved, len(src))
     return moved
 

@@ -71,6 +71,7 @@ def _plan(step: TreeStep, block_table: torch.Tensor, block_size: int, window: in
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     tree_aware = True  # asserted by the runner: a missing override must never fall back silently
+    tree_kv_layout = "cpu_attn"  # how commit.py moves rows of this cache
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):

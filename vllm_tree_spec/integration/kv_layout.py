@@ -8,7 +8,12 @@ its depth. Both depend on how the attention backend lays out a block:
                                 the K half is stored transposed ([D, block_size]), then V
                                 ([block_size, D]). Verified by `self_test` against vLLM's own
                                 `cpu_attn_reshape_and_cache` before first use.
-    GPU (FLASH_ATTN / TRITON)   kv_cache [2, num_blocks, block_size, Hkv, D]
+    FLASH_ATTN / TRITON_ATTN    kv_cache [num_blocks, Hkv, block_size, 2 * D] in vLLM 0.32's logical
+                                order (K half, then V half, per token and head); the physical order
+                                may differ (stride order), so rows are moved through indexing, never
+                                through a flattening view
+    kernels / benchmarks        [2, num_blocks, block_size, Hkv, D] (`gpu_copy_slots`, the layout of
+                                the kernel tests and of vLLM's older GPU backends)
 
 Any other layout (CPU ISAs amx / neon / ..., MLA caches) is refused with a
 clear error rather than guessed.
@@ -93,6 +98,13 @@ def gpu_copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor)
     two, nb, bs = kv_cache.shape[:3]
     flat = kv_cache.view(two, nb * bs, *kv_cache.shape[3:])
     flat[:, dst] = flat[:, src].clone()
+
+
+def paged_copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    """kv_cache[slot dst] <- kv_cache[slot src] for a FLASH_ATTN / TRITON_ATTN cache [nb, Hkv, bs, 2D]; in place."""
+    bs = kv_cache.shape[2]
+    rows = kv_cache[src // bs, :, src % bs]  # [n, Hkv, 2D]: advanced indexing copies (sources may alias)
+    kv_cache[dst // bs, :, dst % bs] = rows
 
 
 def compaction_pairs(row_slots: list[int], accepted: list[int]) -> list[tuple[int, int]]:

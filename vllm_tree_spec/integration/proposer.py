@@ -42,7 +42,9 @@ def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
         else:
             policy = StaticPolicy.of(_static_shape(layout))
         dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", torch.float32)
-        return DraftModelTreeDrafter.from_pretrained(cfg.model, policy, dtype=dtype, seed=cfg.seed or 0)
+        device = getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu"  # the target's
+        return DraftModelTreeDrafter.from_pretrained(cfg.model, policy, dtype=dtype, seed=cfg.seed or 0,
+                                                     device=device)
     if cfg.drafter == "mtp":
         import torch
 

@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from vllm.logger import init_logger
-from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
 from vllm_tree_spec.config import TreeSpecConfig
 from vllm_tree_spec.integration.adapters import select_adapter
@@ -41,7 +40,28 @@ logger = init_logger(__name__)
 
 
 class TreeRunnerMixin:
-    """Mixed in front of a V1 model runner class (see `TreeCPUModelRunner`)."""
+    """Mixed in front of a V1 model runner class: `CPUModelRunner` (worker.py) or `GPUModelRunner`
+    (gpu_worker.py); the hooks below are device-agnostic."""
+
+    def __init__(self, vllm_config, device):
+        super().__init__(vllm_config, device)
+        self._tree_setup()
+
+    def load_model(self, *args, **kwargs):
+        super().load_model(*args, **kwargs)
+        self.tree_adapter = select_adapter(self)
+        self.tree_adapter.check(self)
+
+    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
+        # Adapters that need cache slots the scheduler never hands out (DeepSeek-V4 scratch) extend
+        # this worker's copy of the config; the scheduler keeps its own.
+        reserve = getattr(self.tree_adapter, "kv_cache_config", None)
+        if reserve is not None:
+            kv_cache_config = reserve(self, kv_cache_config)
+        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        after = getattr(self.tree_adapter, "on_kv_cache", None)
+        if after is not None:
+            after(self)
 
     def _tree_setup(self) -> None:
         raw = (self.vllm_config.additional_config or {}).get("tree_spec")
@@ -65,7 +85,11 @@ class TreeRunnerMixin:
             raise RuntimeError(
                 f"tree speculation needs tree-aware attention in every layer, but {len(bad)} layers "
                 f"(e.g. {bad[0]}) use {type(self.compilation_config.static_forward_context[bad[0]].impl).__name__}; "
-                f"this model/attention backend is not supported by vllm-tree-spec")
+                f"this model/attention backend is not supported by vllm-tree-spec (GPU: use "
+                f"--attention-backend FLASH_ATTN or TRITON_ATTN)")
+        for layer in self.compilation_config.static_forward_context.values():
+            if isinstance(layer, Attention) and hasattr(layer.impl, "tree_check"):
+                layer.impl.tree_check()  # per-layer features the tree kernel cannot compute
 
     # -- hook 1: drafting -----------------------------------------------------------------------
 
@@ -192,25 +216,3 @@ class TreeRunnerMixin:
         self.tree_stats.add_time("commit", time.perf_counter() - t1)
         self._tree_step = TreeStep([])
         return output
-
-
-class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
-    def __init__(self, vllm_config, device):
-        super().__init__(vllm_config, device)
-        self._tree_setup()
-
-    def load_model(self, *args, **kwargs):
-        super().load_model(*args, **kwargs)
-        self.tree_adapter = select_adapter(self)
-        self.tree_adapter.check(self)
-
-    def initialize_kv_cache(self, kv_cache_config, *args, **kwargs):
-        # Adapters that need cache slots the scheduler never hands out (DeepSeek-V4 scratch) extend
-        # this worker's copy of the config; the scheduler keeps its own.
-        reserve = getattr(self.tree_adapter, "kv_cache_config", None)
-        if reserve is not None:
-            kv_cache_config = reserve(self, kv_cache_config)
-        super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
-        after = getattr(self.tree_adapter, "on_kv_cache", None)
-        if after is not None:
-            after(self)

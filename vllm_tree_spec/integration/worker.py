@@ -2,44 +2,56 @@
 
 The config route sets `parallel_config.worker_cls` to one of these when (and
 only when) tree speculation is configured, so everything here runs in the
-worker process of a tree engine and nowhere else.
+worker process of a tree engine and nowhere else. `TreeCPUWorker` is defined
+here; the GPU one lives in `gpu_worker.py` (it imports the CUDA worker).
 """
 
 from __future__ import annotations
 
 import contextlib
 
+from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
-TREE_CPU_WORKER = "vllm_tree_spec.integration.worker.TreeCPUWorker"
+from vllm_tree_spec.integration.runner import TreeRunnerMixin
 
-
-TREE_CPU_ATTN = "vllm_tree_spec.integration.cpu_attention.TreeCPUAttentionBackend"
+TREE_CPU_BACKENDS = {"CPU_ATTN": "vllm_tree_spec.integration.cpu_attention.TreeCPUAttentionBackend"}
 
 
 @contextlib.contextmanager
-def tree_cpu_attention():
-    """Route CPU_ATTN to the tree-aware subclass while this worker builds its model (patch P2).
+def tree_attention_backends(overrides: dict[str, str]):
+    """Route vLLM backends to their tree-aware subclasses while a worker builds its model (patch P2).
 
     Uses vLLM's documented backend registry. The selector caches backend classes
     per process, so the cache is cleared on entry (an earlier engine in the same
-    process must not leak its causal backend into us) and on exit (our backend
+    process must not leak its causal backend into us) and on exit (our backends
     must not leak into a later engine without tree speculation).
     """
     from vllm.v1.attention.backends.registry import _ATTN_OVERRIDES, AttentionBackendEnum, register_backend
     from vllm.v1.attention.selector import _cached_get_attn_backend
 
-    previous = _ATTN_OVERRIDES.get(AttentionBackendEnum.CPU_ATTN)
-    register_backend(AttentionBackendEnum.CPU_ATTN, TREE_CPU_ATTN)
+    members = {AttentionBackendEnum[name]: path for name, path in overrides.items()}
+    previous = {m: _ATTN_OVERRIDES.get(m) for m in members}
+    for member, path in members.items():
+        register_backend(member, path)
     _cached_get_attn_backend.cache_clear()
     try:
         yield
     finally:
-        if previous is None:
-            AttentionBackendEnum.CPU_ATTN.clear_override()
-        else:
-            register_backend(AttentionBackendEnum.CPU_ATTN, previous)
+        for member, old in previous.items():
+            if old is None:
+                member.clear_override()
+            else:
+                register_backend(member, old)
         _cached_get_attn_backend.cache_clear()
+
+
+def tree_cpu_attention():
+    return tree_attention_backends(TREE_CPU_BACKENDS)
+
+
+class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
+    pass
 
 
 class TreeCPUWorker(CPUWorker):
@@ -51,8 +63,6 @@ class TreeCPUWorker(CPUWorker):
         # CPUWorker.init_device builds `CPUModelRunner` by its module-global name;
         # swap in the tree runner for that one call (patch record P3).
         import vllm.v1.worker.cpu_worker as cpu_worker_mod
-
-        from vllm_tree_spec.integration.runner import TreeCPUModelRunner
 
         original = cpu_worker_mod.CPUModelRunner
         cpu_worker_mod.CPUModelRunner = TreeCPUModelRunner
