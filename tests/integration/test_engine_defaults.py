@@ -45,7 +45,7 @@ def test_prefix_cache_reuses_committed_tree_kv(model):
 
 @pytest.mark.vllm
 def test_mixed_sampling_settings_in_one_batch(model):
-    """Greedy and sampled requests (and penalties, which are never drafted for) share batches."""
+    """Greedy and sampled requests (with and without penalties) share batches."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -108,3 +108,38 @@ def test_budget_zero_at_large_batch_switches_speculation_off(model):
     assert alone.tree_stats["rounds"] > 0  # a single request still speculates
     # without the budget all 8 requests would speculate every step (~8x the rounds of one request)
     assert run.tree_stats["rounds"] <= alone.tree_stats["rounds"]
+
+
+@pytest.mark.vllm
+def test_history_dependent_parameters_see_each_rows_own_path(model):
+    """Penalties, min_tokens and bad words are applied per tree row with that row's path as history.
+
+    Greedy output must equal the engine without speculation token for token, the parameters must
+    change the output (else the test could not fail), and the tree must have drafted and accepted.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.tokenizers import get_tokenizer
+
+    raw = repetitive_prompts(8, VOCAB, seed=5)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in raw]
+    plain = SamplingParams(temperature=0, max_tokens=64)
+    free = run_engine(model, prompts, plain).outputs
+    tok = get_tokenizer(model)
+    # a bad word the unconstrained model would produce; a frequent token as stop token under min_tokens
+    bad = tok.decode(free[0][4:6])
+    stop = max(set(t for o in free for t in o), key=lambda t: sum(o.count(t) for o in free))
+    params = [
+        SamplingParams(temperature=0, max_tokens=64, repetition_penalty=1.4, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=64, frequency_penalty=0.3, presence_penalty=0.2,
+                       ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=64, min_tokens=30, stop_token_ids=[stop]),
+        SamplingParams(temperature=0, max_tokens=64, bad_words=[bad], ignore_eos=True),
+    ]
+    params = [params[i % len(params)] for i in range(len(raw))]
+    base = run_engine(model, prompts, params)
+    run = run_engine(model, prompts, params, TREE)
+    assert sum(a != b for a, b in zip(base.outputs, free)) >= len(raw) // 2, "parameters must change outputs"
+    for i, (a, b) in enumerate(zip(base.outputs, run.outputs)):
+        assert a == b, f"prompt {i} ({params[i]}): differs at token {next(k for k, (x, y) in enumerate(zip(a, b)) if x != y) if a[:len(b)] != b[:len(a)] else min(len(a), len(b))}"
+    assert run.tree_stats["rounds"] > 0 and run.tree_stats["accepted"] > 0, run.tree_stats

@@ -12,8 +12,11 @@ the scheduler's rollback and the metrics work unchanged.
   min-p, top-k, top-p, allowed token ids, logit bias; see `sampling.py`);
   the verification mode follows how the children were drafted (greedy for
   temperature-0 requests); coins come from the request's own generator when it
-  is seeded. Parameters that depend on a row's token history (penalties, bad
-  words, min_tokens, grammars, ...) are never drafted for (`unsupported_reason`).
+  is seeded. Parameters that depend on the token history (repetition /
+  frequency / presence penalties, bad words, min_tokens) see each row's own
+  history: the committed output plus the tokens on the path to that row, through
+  vLLM's own penalty and bad-words functions. Grammars and other processors that
+  read drafts as a chain are never drafted for (`unsupported_reason`).
 * Logprobs, when requested, are computed for every emitted token from the row
   it was emitted at, like vLLM's rejection sampler does.
 """
@@ -36,10 +39,6 @@ def unsupported_reason(sp) -> str | None:
     if sp is None:
         return "no sampling parameters (pooling request)"
     checks = [
-        (sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1,
-         "penalties need per-path token histories"),
-        (bool(sp.bad_words), "bad_words need per-path token histories"),
-        (sp.min_tokens > 0, "min_tokens depends on each row's depth"),
         (sp.structured_outputs is not None, "structured output grammars validate drafts as a chain"),
         (getattr(sp, "thinking_token_budget", None) is not None, "thinking budgets read drafts as a chain"),
         (bool(getattr(sp, "watermarking", None)), "watermarking perturbs logits by position"),
@@ -62,20 +61,59 @@ def _row_params(sp, rows: int, vocab: int, device) -> dict:
     )
 
 
-def request_target_probs(logits: torch.Tensor, sp) -> torch.Tensor:
-    """p [rows, V] for one request's tree rows, as vLLM's Sampler would sample them."""
+def _has_penalties(sp) -> bool:
+    return sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
+
+
+def row_histories(output_token_ids: list[int], tree) -> list[list[int]]:
+    """Output tokens each tree row conditions on: row 0 (root) the committed output, row 1 + i that plus
+    the tokens on the path to node i (the root token is already the last committed output)."""
+    tokens = tree.tokens.tolist()
+    return [list(output_token_ids)] + [list(output_token_ids) + [tokens[j] for j in tree.path_to(i)]
+                                       for i in range(tree.num_nodes)]
+
+
+def request_target_probs(logits: torch.Tensor, sp, histories: list[list[int]] | None = None,
+                         prompt_token_ids: list[int] | None = None) -> torch.Tensor:
+    """p [rows, V] for one request's tree rows, as vLLM's Sampler would sample each row.
+
+    Same order as `vllm.v1.sample.sampler.Sampler.apply_logits_processors`: allowed ids, bad words,
+    min_tokens and logit bias, penalties; then temperature, min-p, top-k, top-p. `histories[r]` is row
+    r's output history (needed for bad words, min_tokens and penalties; see `row_histories`).
+    """
     x = logits.to(torch.float32)
-    vocab = x.shape[-1]
+    rows, vocab = x.shape
     if sp.allowed_token_ids:
         allowed = torch.zeros(vocab, dtype=torch.bool, device=x.device)
         allowed[torch.tensor(sp.allowed_token_ids, device=x.device)] = True
         x = x.masked_fill(~allowed, float("-inf"))
+    needs_history = bool(sp.bad_words_token_ids) or sp.min_tokens > 0 or _has_penalties(sp)
+    if needs_history and (histories is None or len(histories) != rows):
+        raise ValueError("bad words, min_tokens and penalties need one output history per row")
+    x = x.clone()
+    if sp.bad_words_token_ids:
+        from vllm.v1.sample.ops.bad_words import apply_bad_words
+
+        apply_bad_words(x, {r: sp.bad_words_token_ids for r in range(rows)}, histories)
+    if sp.min_tokens > 0 and sp.all_stop_token_ids:
+        short = [r for r in range(rows) if len(histories[r]) < sp.min_tokens]
+        if short:
+            stop = torch.tensor(sorted(sp.all_stop_token_ids), device=x.device)
+            x[torch.tensor(short, device=x.device)[:, None], stop[None, :]] = float("-inf")
     if sp.logit_bias:
         ids = torch.tensor(list(sp.logit_bias.keys()), device=x.device)
         vals = torch.tensor(list(sp.logit_bias.values()), device=x.device, dtype=x.dtype)
-        x = x.clone()
         x[:, ids] += vals
-    kw = _row_params(sp, x.shape[0], vocab, x.device)
+    if _has_penalties(sp):
+        from vllm.v1.sample.ops.penalties import apply_all_penalties
+
+        prompt = torch.tensor(list(prompt_token_ids or []), dtype=torch.long, device=x.device)
+        prompt = prompt[None, :].expand(rows, -1) if prompt.numel() else torch.full((rows, 1), vocab,
+                                                                                    device=x.device)
+        ones = torch.ones(rows, dtype=torch.float32, device=x.device)
+        x = apply_all_penalties(x, prompt.contiguous(), ones * sp.presence_penalty, ones * sp.frequency_penalty,
+                                ones * sp.repetition_penalty, histories)
+    kw = _row_params(sp, rows, vocab, x.device)
     return target_probs(x, **kw)
 
 
@@ -114,7 +152,10 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step) -> "SamplerOutput
             state = runner.requests[r.req_id]
             sp = state.sampling_params
             rows = slice(starts[b], starts[b] + r.num_nodes + 1)
-            p = request_target_probs(logits[rows], sp)
+            hist = None
+            if sp.bad_words_token_ids or sp.min_tokens > 0 or _has_penalties(sp):
+                hist = row_histories(state.output_token_ids, r.tree)
+            p = request_target_probs(logits[rows], sp, hist, state.prompt_token_ids)
             probs.append(p)
             mode = Mode.GREEDY if sp.temperature < 1e-5 else r.mode
             modes.append(int(mode))
