@@ -353,3 +353,20 @@ def test_all_greedy_target_probs_shortcut_equals_the_mixed_path():
                          top_k=3, top_p=0.5, min_p=0.2)
     assert torch.equal(fast, mixed[:5])
     assert torch.equal(fast.argmax(-1), logits.argmax(-1)) and torch.equal(fast.sum(-1), torch.ones(5, dtype=fast.dtype))
+
+
+def test_greedy_batch_from_argmax_rows_equals_the_distribution_path():
+    """`target_argmax` (all-greedy batches skip the [R, V] p rows) gives the same result, EOS/budget cuts too."""
+    rng = random.Random(21)
+    for _ in range(30):
+        vocab = rng.randint(2, 6)
+        trees, batch, p, _ = random_batch(rng, vocab, rng.randint(1, 5), 8, torch.float64, sharp=4.0, distinct=False)
+        eos = torch.tensor([rng.choice([-1, 0, 1]) for _ in trees])
+        budget = torch.tensor([rng.randint(1, 6) for _ in trees])
+        full = verify_batch(batch, p, None, "greedy", eos_token_id=eos, max_tokens=budget)
+        fast = verify_batch(batch, None, None, "greedy", eos_token_id=eos, max_tokens=budget,
+                            target_argmax=p.argmax(-1))
+        for name in ("accepted_nodes", "num_accepted", "next_token", "output_token_ids"):
+            assert torch.equal(getattr(full, name), getattr(fast, name)), name
+    with pytest.raises(ValueError, match="target_probs is required"):
+        verify_batch(batch, None, None, "sampled", target_argmax=p.argmax(-1))

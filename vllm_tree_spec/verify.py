@@ -427,6 +427,7 @@ def verify_batch(
     *,
     eos_token_id: torch.Tensor | None = None,
     max_tokens: torch.Tensor | None = None,
+    target_argmax: torch.Tensor | None = None,
 ) -> TreeVerifyOutput:
     """Verify B trees at once.
 
@@ -440,12 +441,17 @@ def verify_batch(
             from the default RNG when None (not needed if all requests are greedy).
         eos_token_id: [B] int64, -1 = none.
         max_tokens: [B] int64 remaining token budget (>= 1), or None.
+        target_argmax: [R] int64 argmax of p per row; when every request is greedy it may stand
+            in for target_probs (pass None there): greedy verification reads nothing else.
     """
-    device = target_probs.device
-    B, M, V = batch.batch_size, batch.max_nodes, target_probs.shape[1]
-    D = batch.max_depth
-    modes = _as_modes(modes, B)
+    modes = _as_modes(modes, batch.batch_size)
     present = set(modes.tolist())
+    if target_probs is None and (target_argmax is None or present - {int(Mode.GREEDY)}):
+        raise ValueError("target_probs is required unless every request is greedy and target_argmax is given")
+    device = (target_probs if target_probs is not None else target_argmax).device
+    B, M = batch.batch_size, batch.max_nodes
+    V = target_probs.shape[1] if target_probs is not None else 0
+    D = batch.max_depth
     if any(Mode(m).needs_draft_probs for m in present) and draft_probs is None:
         raise ValueError("draft_probs is required when a request uses a sampled mode")
     if coins is None and present != {int(Mode.GREEDY)}:
@@ -473,7 +479,7 @@ def verify_batch(
     p_final = None
 
     if present & {int(Mode.GREEDY), int(Mode.DETERMINISTIC)}:
-        greedy_y = target_probs.argmax(-1)  # [R]
+        greedy_y = target_argmax.to(device) if target_argmax is not None else target_probs.argmax(-1)  # [R]
         if int(Mode.DETERMINISTIC) in present:
             e_rows = coins.exponential[row_req, row_depth]  # [R, V]
             det_y = race(target_probs, e_rows)

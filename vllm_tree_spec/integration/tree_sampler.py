@@ -17,6 +17,8 @@ the scheduler's rollback and the metrics work unchanged.
   history: the committed output plus the tokens on the path to that row, through
   vLLM's own penalty and bad-words functions. Grammars and other processors that
   read drafts as a chain are never drafted for (`unsupported_reason`).
+* All-greedy batches (the common serving case) skip the [R, V] distributions:
+  greedy verification reads only each row's argmax (`verify_batch(target_argmax=...)`).
 * Logprobs, when requested, are computed for every emitted token from the row
   it was emitted at, like vLLM's rejection sampler does.
 """
@@ -65,6 +67,15 @@ def _has_penalties(sp) -> bool:
     return sp.presence_penalty != 0 or sp.frequency_penalty != 0 or sp.repetition_penalty != 1
 
 
+def _needs_history(sp) -> bool:
+    return bool(sp.bad_words_token_ids) or sp.min_tokens > 0 or _has_penalties(sp)
+
+
+def _transforms_logits(sp) -> bool:
+    """Whether vLLM's Sampler changes this request's logits before the argmax of a greedy draw."""
+    return bool(sp.allowed_token_ids) or bool(sp.logit_bias) or _needs_history(sp)
+
+
 def row_histories(output_token_ids: list[int], tree) -> list[list[int]]:
     """Output tokens each tree row conditions on: row 0 (root) the committed output, row 1 + i that plus
     the tokens on the path to node i (the root token is already the last committed output)."""
@@ -87,8 +98,7 @@ def request_target_probs(logits: torch.Tensor, sp, histories: list[list[int]] | 
         allowed = torch.zeros(vocab, dtype=torch.bool, device=x.device)
         allowed[torch.tensor(sp.allowed_token_ids, device=x.device)] = True
         x = x.masked_fill(~allowed, float("-inf"))
-    needs_history = bool(sp.bad_words_token_ids) or sp.min_tokens > 0 or _has_penalties(sp)
-    if needs_history and (histories is None or len(histories) != rows):
+    if _needs_history(sp) and (histories is None or len(histories) != rows):
         raise ValueError("bad words, min_tokens and penalties need one output history per row")
     x = x.clone()
     if sp.bad_words_token_ids:
@@ -146,35 +156,43 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step) -> "SamplerOutput
         for b, r in zip(tree_idx, reqs):
             assert r.num_nodes == num_draft[b], (r.req_id, r.num_nodes, num_draft[b])
         batch = TreeBatch.from_trees([r.tree for r in reqs])
-        probs, drafts, modes, eos, budget, gens = [], [], [], [], [], []
-        any_sampled = False
-        for b, r in zip(tree_idx, reqs):
-            state = runner.requests[r.req_id]
-            sp = state.sampling_params
-            rows = slice(starts[b], starts[b] + r.num_nodes + 1)
-            hist = None
-            if sp.bad_words_token_ids or sp.min_tokens > 0 or _has_penalties(sp):
-                hist = row_histories(state.output_token_ids, r.tree)
-            p = request_target_probs(logits[rows], sp, hist, state.prompt_token_ids)
-            probs.append(p)
-            mode = Mode.GREEDY if sp.temperature < 1e-5 else r.mode
-            modes.append(int(mode))
-            any_sampled |= mode.needs_draft_probs
-            drafts.append(r.draft_probs)
-            eos.append(-1 if sp.ignore_eos or sp.eos_token_id is None else sp.eos_token_id)
-            left = (sp.max_tokens - len(state.output_token_ids)) if sp.max_tokens is not None else 1 << 30
-            budget.append(max(1, left))
-            gens.append(state.generator)
-        p_all = torch.cat(probs)
-        q_all = None
-        if any_sampled:  # rows of deterministic/greedy requests are never read: zeros stand in
-            q_all = torch.cat([q if q is not None else torch.zeros_like(p) for q, p in zip(drafts, probs)]).to(p_all)
-        coins = None
-        if any(m != Mode.GREEDY for m in modes):
+        states = [runner.requests[r.req_id] for r in reqs]
+        modes = [int(Mode.GREEDY if st.sampling_params.temperature < 1e-5 else r.mode) for st, r in zip(states, reqs)]
+        eos = [-1 if st.sampling_params.ignore_eos or st.sampling_params.eos_token_id is None
+               else st.sampling_params.eos_token_id for st in states]
+        budget = [max(1, st.sampling_params.max_tokens - len(st.output_token_ids))
+                  if st.sampling_params.max_tokens is not None else 1 << 30 for st in states]
+        row_slices = [slice(starts[b], starts[b] + r.num_nodes + 1) for b, r in zip(tree_idx, reqs)]
+
+        def probs_of(j: int) -> torch.Tensor:  # p rows of tree request j, as vLLM's Sampler would see them
+            st, sp = states[j], states[j].sampling_params
+            hist = row_histories(st.output_token_ids, reqs[j].tree) if _needs_history(sp) else None
+            return request_target_probs(logits[row_slices[j]], sp, hist, st.prompt_token_ids)
+
+        if all(m == Mode.GREEDY for m in modes):
+            # Greedy verification reads only each row's argmax: skip the [R, V] distributions.
+            rows = torch.cat([torch.arange(sl.start, sl.stop) for sl in row_slices]).to(logits.device)
+            y = logits[rows].argmax(-1)  # [R]
+            offset = 0
+            for j, sl in enumerate(row_slices):
+                n_rows = sl.stop - sl.start
+                if _transforms_logits(states[j].sampling_params):  # allowed ids, bias, penalties, ... move argmax
+                    y[offset: offset + n_rows] = probs_of(j).argmax(-1)
+                offset += n_rows
+            result = verify_batch(batch, None, None, torch.tensor(modes), None, eos_token_id=torch.tensor(eos),
+                                  max_tokens=torch.tensor(budget), target_argmax=y)
+        else:
+            probs = [probs_of(j) for j in range(len(reqs))]
+            p_all = torch.cat(probs)
+            q_all = None
+            if any(Mode(m).needs_draft_probs for m in modes):  # rows of other requests are never read: zeros
+                q_all = torch.cat([r.draft_probs if r.draft_probs is not None else torch.zeros_like(p)
+                                   for r, p in zip(reqs, probs)]).to(p_all)
             coins = VerifyCoins.draw(len(reqs), batch.max_depth, batch.max_children, p_all.shape[1],
-                                     generators=gens, dtype=p_all.dtype, device=p_all.device)
-        result = verify_batch(batch, p_all, q_all, torch.tensor(modes), coins,
-                              eos_token_id=torch.tensor(eos), max_tokens=torch.tensor(budget))
+                                     generators=[st.generator for st in states], dtype=p_all.dtype,
+                                     device=p_all.device)
+            result = verify_batch(batch, p_all, q_all, torch.tensor(modes), coins,
+                                  eos_token_id=torch.tensor(eos), max_tokens=torch.tensor(budget))
         result = broadcast_from_first_rank(result)
         for j, b in enumerate(tree_idx):
             k = int(result.num_accepted[j]) + 1
