@@ -156,7 +156,7 @@ def test_static_rank_beyond_vocab_is_an_error():
 @pytest.mark.parametrize(
     "bad, match",
     [
-        (lambda n: torch.randn(n, 5), "not logits"),
+        (lambda n: torch.linspace(-2.0, 2.0, 5).repeat(n, 1), "not logits"),  # logits: some negative
         (lambda n: torch.full((n, 5), 0.5), "sums to"),
         (lambda n: torch.zeros(n, 5), "sums to"),
         (lambda n: torch.full((n + 1, 5), 0.2), "one row per query"),

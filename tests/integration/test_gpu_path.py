@@ -277,7 +277,7 @@ def fake_cuda(monkeypatch):
     return current_platform
 
 
-def _route(model_dir, spec, **engine_kw):
+def _route(model_dir, spec, parallel_kw=None, **engine_kw):
     from vllm.config import ParallelConfig
     from vllm.engine.arg_utils import EngineArgs
 
@@ -286,7 +286,7 @@ def _route(model_dir, spec, **engine_kw):
     install()
     args = EngineArgs(model=str(model_dir), dtype="float32", max_model_len=256, speculative_config=spec, **engine_kw)
     model_config = args.create_model_config()
-    parallel = ParallelConfig()
+    parallel = ParallelConfig(**(parallel_kw or {}))
     spec = args.create_speculative_config(model_config, parallel)
     return args, parallel, spec
 
@@ -324,3 +324,13 @@ def test_config_route_on_cuda_refuses_full_cuda_graphs(tiny_models, fake_cuda):
     with pytest.raises(TreeSpecError, match="cudagraph_mode=FULL"):
         _route(model, {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 4},
                compilation_config={"cudagraph_mode": "FULL_AND_PIECEWISE"})
+
+
+@pytest.mark.vllm
+def test_config_route_refuses_context_parallelism(tiny_models):
+    from vllm_tree_spec.config import TreeSpecError
+
+    model = tiny_models.llama(num_layers=1)
+    with pytest.raises(TreeSpecError, match="decode_context_parallel_size"):
+        _route(model, {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 4},
+               parallel_kw={"tensor_parallel_size": 2, "decode_context_parallel_size": 2})

