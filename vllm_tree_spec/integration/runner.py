@@ -150,8 +150,9 @@ class TreeRunnerMixin:
     def _tree_build_step(self, scheduler_output) -> TreeStep:
         from vllm_tree_spec.verify import Mode
 
-        reqs = []
         qsl = self.query_start_loc.np
+        computed = self.input_batch.num_computed_tokens_cpu
+        found = []
         for rid, drafted in scheduler_output.scheduled_spec_decode_tokens.items():
             n = len(drafted)
             if n == 0:
@@ -164,12 +165,20 @@ class TreeRunnerMixin:
                 raise RuntimeError(f"request {rid}: scheduled drafts {list(drafted)} do not match its tree")
             idx = self.input_batch.req_id_to_index[rid]
             root_row = int(qsl[idx + 1]) - n - 1
-            root_pos = int(self.positions[root_row])
+            # vLLM's linear position of the root (host-side: no device sync per request on GPUs)
+            root_pos = int(computed[idx]) + root_row - int(qsl[idx])
+            found.append((rid, idx, root_row, root_pos, tree, dt))
+        if not found:
+            return TreeStep([])
+        # Each KV group's slot mapping, read once per step (one device->host copy per group).
+        end = max(root_row + tree.num_nodes + 1 for _, _, root_row, _, tree, _ in found)
+        mappings = [self.input_batch.block_table[gid].slot_mapping.gpu[:end].tolist()
+                    for gid in range(len(self.kv_cache_config.kv_cache_groups))]
+        reqs = []
+        for rid, idx, root_row, root_pos, tree, dt in found:
+            n = tree.num_nodes
             self._tree_set_positions(root_row, root_pos, tree)
-            slots = {}
-            for gid in range(len(self.kv_cache_config.kv_cache_groups)):
-                sm = self.input_batch.block_table[gid].slot_mapping.gpu
-                slots[gid] = sm[root_row: root_row + n + 1].tolist()
+            slots = {gid: sm[root_row: root_row + n + 1] for gid, sm in enumerate(mappings)}
             q = dt.draft_probs[: n + 1] if dt.draft_probs is not None else None
             reqs.append(TreeRequestStep(rid, idx, root_row, root_pos, tree, Mode(dt.mode), q, slots))
         return TreeStep(reqs)
