@@ -10,7 +10,7 @@ depth-based positions. Both backends store the cache as
 reads the K and V halves through strided views, whatever the physical order.
 
 The per-step metadata (rows, sub-batch block table, packed masks, depths) is
-built once per step and KV-cache group (`_plan`) and reused by every layer.
+built once per step and KV-cache group (`plan_tree_rows`) and reused by every layer.
 Attention must run eagerly for this (a Python step per layer), so the config
 route sets CUDA graphs to PIECEWISE, where vLLM keeps attention outside the
 graphs. Features the kernel does not cover (ALiBi, quantised KV caches,
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 
 from vllm_tree_spec.integration.tree_step import TreeStep
+from vllm_tree_spec.tree import TreeBatch
+from vllm_tree_spec.tree_attention import tree_batch_kernel_inputs
 
 
 @dataclass
@@ -52,19 +54,12 @@ def plan_tree_rows(step: TreeStep, block_table: torch.Tensor) -> _Plan:
         return cache[key]
     device = block_table.device
     reqs = step.requests
-    rows, node_local, req_idx, seq_lens, qsl, cu_nodes, depth, masks = [], [], [], [], [0], [0], [], []
-    words = max((r.tree.packed_ancestor_mask.shape[1] for r in reqs), default=1)
+    rows, node_local, qsl = [], [], [0]
     for r in reqs:
-        n = r.num_nodes
-        node_local.extend(range(len(rows) + 1, len(rows) + 1 + n))
-        rows.extend(range(r.root_row, r.root_row + 1 + n))
-        req_idx.append(r.req_index)
-        seq_lens.append(r.seq_len)
-        qsl.append(qsl[-1] + n + 1)
-        cu_nodes.append(cu_nodes[-1] + n)
-        depth.append(r.tree.depth)
-        packed = r.tree.packed_ancestor_mask  # [n, w_b] int32 ancestor-or-self bits
-        masks.append(torch.nn.functional.pad(packed, (0, words - packed.shape[1])))
+        node_local.extend(range(len(rows) + 1, len(rows) + 1 + r.num_nodes))
+        rows.extend(range(r.root_row, r.root_row + 1 + r.num_nodes))
+        qsl.append(len(rows))
+    tree_inputs = tree_batch_kernel_inputs(TreeBatch.from_trees([r.tree for r in reqs]), device)
 
     def dev(x, dtype):
         return torch.as_tensor(x, dtype=dtype).to(device, non_blocking=True)
@@ -75,14 +70,12 @@ def plan_tree_rows(step: TreeStep, block_table: torch.Tensor) -> _Plan:
         rows=rows_t,
         node_rows=rows_t[node_local_t],
         node_local=node_local_t,
-        block_table=block_table[dev(req_idx, torch.long)].contiguous(),
-        seq_lens=dev(seq_lens, torch.int32),
+        block_table=block_table[dev([r.req_index for r in reqs], torch.long)].contiguous(),
+        seq_lens=dev([r.seq_len for r in reqs], torch.int32),
         query_start_loc=dev(qsl, torch.int32),
-        cu_num_nodes=dev(cu_nodes, torch.int32),
-        packed_mask=torch.cat(masks).to(device).contiguous() if masks else torch.zeros(0, words, dtype=torch.int32,
-                                                                                      device=device),
-        depth=torch.cat(depth).to(device=device, dtype=torch.int32) if depth else torch.zeros(0, dtype=torch.int32,
-                                                                                            device=device),
+        cu_num_nodes=tree_inputs["cu_num_nodes"],
+        packed_mask=tree_inputs["packed_mask"],
+        depth=tree_inputs["depth"],
         max_query_len=max((r.num_nodes + 1 for r in reqs), default=1),
         max_seq_len=max((r.seq_len for r in reqs), default=1),
     )
