@@ -17,9 +17,10 @@ measured set and one or more runs, each in one load mode:
     rate R          Poisson arrivals at R requests/s (a separate run per rate)
 
 Every run sends a disjoint slice of one interleaved prompt pool (ShareGPT chat, HumanEval completion,
-CHAMP math chat; serve_datasets.py), greedy (temperature 0), the same max_tokens, EOS and each
-dataset's stop strings. Slices are identical across configurations, so outputs are compared prompt by
-prompt with speculation off. One JSON per run under OUT/runs/, then OUT/report.md, OUT/summary.json
+CHAMP math chat; serve_datasets.py), greedy by default (temperature 0; --temperature/--top-p/--top-k
+sample, with a per-request seed), the same max_tokens, EOS and each dataset's stop strings. Slices are
+identical across configurations, so greedy outputs are compared prompt by prompt with speculation off
+(sampled runs are lossless in distribution, which the test suite checks; their texts are not compared). One JSON per run under OUT/runs/, then OUT/report.md, OUT/summary.json
 and PNG plots (serve_report.py). Every run JSON records hardware, versions, date and the command that
 reproduces it.
 
@@ -38,6 +39,8 @@ Configurations (`--configs`, D from `--budgets`):
     tree-draft-static      tree drafter `draft_model`, a fixed D-node tree (Sequoia-optimal for a generic
                            acceptance profile, ranks filled from the draft's top-k)
     tree-draft-dynamic     tree drafter `draft_model`, EAGLE-2 dynamic shape of the same depth and budget
+    tree-draft-sampled     the static tree with children sampled from q without replacement (recursive
+                           rejection at T > 0; filled by rank for greedy requests)
     tree-draft-planned     tree drafter `draft_model`, the static tree given by --planned-tree (e.g. the planner's
                            Sequoia-optimal tree for the acceptance measured by the linear-draft run)
 
@@ -70,7 +73,7 @@ from serve_datasets import DATASETS, Prompt, build_pool, distribution, extract_c
 
 CONFIG_KINDS = ("off", "linear-suffix", "tree-suffix", "tree-suffix-fallback", "linear-suffix-wide", "tree-suffix-wide",
                 "linear-ngram", "tree-ngram", "tree-ngram-fallback", "linear-draft", "tree-draft-static",
-                "tree-draft-dynamic", "tree-draft-planned")
+                "tree-draft-dynamic", "tree-draft-sampled", "tree-draft-planned")
 WIDE_SUFFIX = {"max_spec_factor": 4.0, "min_token_prob": 0.0}  # lets suffix drafts use the whole budget
 STATIC_PROFILE = ([0.6, 0.15, 0.05], 0.9)  # rank acceptance, depth decay: the static tree's design profile
 
@@ -131,7 +134,7 @@ def make_config(kind: str, budget: int, draft: str | None = None, fallback: dict
     lookup = {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
     if kind == "off":
         return Config("off", kind, None, None)
-    if kind in ("linear-draft", "tree-draft-static", "tree-draft-dynamic", "tree-draft-planned") and not draft:
+    if (kind.endswith("-draft") or "-draft-" in kind) and not draft:
         raise ValueError(f"configuration {kind!r} needs --draft (truncate:N, noisy:S or a model directory)")
     spec = {
         "linear-suffix": {"method": "suffix", "num_speculative_tokens": d},
@@ -146,11 +149,13 @@ def make_config(kind: str, budget: int, draft: str | None = None, fallback: dict
         "tree-ngram-fallback": {"method": "tree", "drafter": "ngram", "num_speculative_tokens": d, **lookup},
         "linear-draft": {"method": "draft_model", "model": draft, "num_speculative_tokens": d},
     }.get(kind)
-    if kind in ("tree-draft-static", "tree-draft-dynamic"):
+    if kind in ("tree-draft-static", "tree-draft-dynamic", "tree-draft-sampled"):
         paths, shape = static_tree_paths(d)
         spec = {"method": "tree", "drafter": "draft_model", "model": draft, "num_speculative_tokens": d}
-        spec.update({"tree": str([tuple(p) for p in paths]), "dynamic": False} if kind.endswith("static")
-                    else {"tree": shape, "dynamic": True})
+        spec.update({"tree": shape, "dynamic": True} if kind.endswith("dynamic")
+                    else {"tree": str([tuple(p) for p in paths]), "dynamic": False})
+        if kind.endswith("sampled"):  # children drawn from q without replacement; SpecInfer's rule at T > 0
+            spec["draft_sampling"] = "sample_without_replacement"
     if kind == "tree-draft-planned":
         if not planned:
             raise ValueError("tree-draft-planned needs --planned-tree (child-rank paths, e.g. from "
@@ -273,7 +278,8 @@ def _lat(values) -> dict:
 
 
 def humaneval_scores(records, prompts_by_id: dict[str, Prompt], enabled: bool) -> dict | None:
-    """Pass@1 (greedy) of the HumanEval completions in this run, with the package's own checker."""
+    """Pass@1 of the HumanEval completions in this run (one sample each, greedy unless --temperature), with the
+    package's own checker."""
     he = [r for r in records if r.dataset.startswith("humaneval")]
     if not he:
         return None
@@ -338,7 +344,8 @@ def reproduce_command(args: argparse.Namespace, config: Config) -> str:
     for flag, val in (("--concurrency", args.concurrency), ("--request-rate", args.request_rate),
                       ("--num-prompts", args.num_prompts), ("--prompts-per-slot", args.prompts_per_slot),
                       ("--max-tokens", args.max_tokens), ("--warmup", args.warmup), ("--datasets", args.datasets),
-                      ("--seed", args.seed), ("--max-num-seqs", args.max_num_seqs),
+                      ("--seed", args.seed), ("--temperature", args.temperature or None),
+                      ("--top-p", args.top_p), ("--top-k", args.top_k), ("--max-num-seqs", args.max_num_seqs),
                       ("--max-model-len", args.max_model_len), ("--server-per", args.server_per),
                       ("--draft", args.draft if config.family == "draft" else None),
                       ("--fallback-budgets", args.fallback_budgets if config.kind.endswith("fallback") else None),
@@ -372,7 +379,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens", type=int, help="max tokens per request (EOS and stop strings still apply)")
     ap.add_argument("--datasets", help=f"comma list of {', '.join(DATASETS)} (default all)")
     ap.add_argument("--warmup", type=int, help="warm-up requests per server, from outside the measured slices (1)")
-    ap.add_argument("--seed", type=int, help="prompt-pool shuffle and Poisson arrivals (0)")
+    ap.add_argument("--seed", type=int, help="prompt-pool shuffle, Poisson arrivals and sampling seeds (0)")
+    ap.add_argument("--temperature", type=float, help="sampling temperature (0: greedy, the default)")
+    ap.add_argument("--top-p", type=float, help="nucleus sampling (with --temperature > 0)")
+    ap.add_argument("--top-k", type=int, help="top-k sampling (with --temperature > 0)")
     ap.add_argument("--max-num-seqs", type=int,
                     help="server --max-num-seqs (default: largest concurrency, 64 with rates)")
     ap.add_argument("--max-model-len", type=int, help="server --max-model-len (2048)")
@@ -393,12 +403,40 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     defaults = dict(configs="off,linear-suffix,tree-suffix", budgets="6", concurrency="1", request_rate="",
                     num_prompts="8", prompts_per_slot=2, max_tokens=128, datasets=",".join(DATASETS), warmup=1,
-                    seed=0, max_model_len=2048, server_per="config", timeout=600.0, out="runs/serve/custom")
+                    seed=0, temperature=0.0, max_model_len=2048, server_per="config", timeout=600.0, out="runs/serve/custom")
     preset = PRESETS.get(args.preset or "", {})
     for k, v in {**defaults, **preset}.items():
         if getattr(args, k, None) in (None, ""):
             setattr(args, k, v)
+    if args.temperature < 0:
+        raise SystemExit(f"--temperature {args.temperature}: must be >= 0")
+    if args.temperature == 0 and (args.top_p is not None or args.top_k is not None):
+        raise SystemExit("--top-p / --top-k need --temperature > 0 (temperature 0 is greedy)")
+    if args.top_p is not None and not 0 < args.top_p <= 1:
+        raise SystemExit(f"--top-p {args.top_p}: must be in (0, 1]")
+    if args.top_k is not None and args.top_k < 1:
+        raise SystemExit(f"--top-k {args.top_k}: must be >= 1")
     return args
+
+
+def sampling_fields(args: argparse.Namespace) -> dict:
+    """The OpenAI sampling fields every request carries. Sampled runs seed each request (serve_client.request_seed),
+    so `off` is reproducible; speculation consumes randomness differently, so sampled texts are not compared."""
+    if not args.temperature:
+        return {"temperature": 0.0}
+    out = {"temperature": args.temperature, "seed": args.seed}
+    if args.top_p is not None:
+        out["top_p"] = args.top_p
+    if args.top_k is not None:
+        out["top_k"] = args.top_k
+    return out
+
+
+def sampling_label(args: argparse.Namespace) -> str:
+    if not args.temperature:
+        return "greedy"
+    extra = "".join(f", {k} {v}" for k, v in (("top_p", args.top_p), ("top_k", args.top_k)) if v is not None)
+    return f"sampled (temperature {args.temperature:g}{extra}, per-request seeds)"
 
 
 @contextmanager
@@ -453,6 +491,12 @@ def main(argv=None) -> int:
         configs = make_configs(kinds, budgets, draft_path, fallback, args.planned_tree)
 
     out = Path(args.out)
+    from serve_report import load_runs, run_sampling
+
+    earlier = {json.dumps(run_sampling(r), sort_keys=True) for r in load_runs(out) if r.get("run")}
+    if earlier - {json.dumps(sampling_fields(args), sort_keys=True)}:
+        raise SystemExit(f"{out} holds runs with sampling {sorted(earlier)}, this invocation samples with "
+                         f"{sampling_fields(args)}: use another --out folder (one sampling setting per folder)")
     (out / "runs").mkdir(parents=True, exist_ok=True)
     log_dir = str(out / "logs")
     pool = build_pool([d.strip() for d in args.datasets.split(",") if d.strip()], seed=args.seed)
@@ -463,7 +507,7 @@ def main(argv=None) -> int:
     by_id = {p.id: p for p in pool[:need]}
     env = environment(args.model)
     print(f"{len(configs)} configuration(s) x {len(runs)} run(s); model {args.model}; pool {len(pool)} prompts "
-          f"({args.datasets}); max_tokens {args.max_tokens}; greedy; out {out}", flush=True)
+          f"({args.datasets}); max_tokens {args.max_tokens}; {sampling_label(args)}; out {out}", flush=True)
     for c in configs:
         print(f"  {c.name:<28} {json.dumps(c.spec) if c.spec else '(no speculation)'}", flush=True)
     for r in runs:
@@ -532,7 +576,7 @@ def failed_row(args, config: Config, run: RunPlan, env: dict, err: Exception) ->
     return {"config": {"name": config.name, "kind": config.kind, "family": config.family, "style": config.style,
                        "budget": config.budget, "spec": config.spec},
             "run": {"mode": run.mode, "level": run.level, "key": run.key, "num_prompts": run.num_prompts,
-                    "offset": run.offset},
+                    "offset": run.offset, "sampling": sampling_fields(args)},
             "environment": env, "failed": f"{type(err).__name__}: {err}",
             "command": shlex.join([sys.executable, *sys.argv]), "reproduce": reproduce_command(args, config),
             "results": None, "speculation": {"tokens_per_round": None}, "records": []}
@@ -545,7 +589,8 @@ def measure(args, config: Config, run: RunPlan, base: str, server, pool, warm, b
 
     model = args.model
     if not history:  # warm-up once per server, on prompts outside every measured slice
-        run_load(base, warm, model, args.max_tokens, concurrency=1, timeout_s=args.timeout) if warm else None
+        run_load(base, warm, model, args.max_tokens, concurrency=1, timeout_s=args.timeout,
+                 sampling=sampling_fields(args)) if warm else None
         wait_idle(base)
     prompts = pool[run.offset: run.offset + run.num_prompts]
     load_start = _loadavg()
@@ -556,7 +601,7 @@ def measure(args, config: Config, run: RunPlan, base: str, server, pool, warm, b
             base, prompts, model, args.max_tokens,
             concurrency=int(run.level) if run.mode == "concurrency" else None,
             rate=run.level if run.mode == "rate" else None, max_in_flight=args.max_in_flight,
-            timeout_s=args.timeout, seed=args.seed, on_done=lambda r: bar.update(1))
+            timeout_s=args.timeout, seed=args.seed, on_done=lambda r: bar.update(1), sampling=sampling_fields(args))
         wait_idle(base)
         time.sleep(0.3)  # the stat logger publishes on the engine's next stats tick
         after = snapshot(base)
@@ -571,7 +616,8 @@ def measure(args, config: Config, run: RunPlan, base: str, server, pool, warm, b
                    "budget": config.budget, "spec": config.spec},
         "run": {"mode": run.mode, "level": run.level, "key": run.key, "num_prompts": run.num_prompts,
                 "offset": run.offset, "prompt_ids": [p.id for p in prompts], "warmup_ids": [p.id for p in warm],
-                "earlier_runs_on_server": list(history), "max_tokens": args.max_tokens, "temperature": 0.0,
+                "earlier_runs_on_server": list(history), "max_tokens": args.max_tokens,
+                "sampling": sampling_fields(args), "temperature": args.temperature or 0.0,
                 "max_num_seqs": args.max_num_seqs, "server_per": args.server_per,
                 "timeout_s": args.timeout, "loadavg_start": load_start, "loadavg_end": load_end},
         "server": None if server is None else {"command": server.command, "startup_s": server.startup_s,

@@ -29,8 +29,9 @@ import asyncio
 import json
 import random
 import time
+import zlib
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from serve_datasets import Prompt
 
@@ -74,9 +75,23 @@ class RequestRecord:
         return [self.chunk_t[i] - self.chunk_t[i - 1] for i in range(1, len(self.chunk_t))]
 
 
-def request_body(prompt: Prompt, model: str, max_tokens: int, temperature: float = 0.0) -> tuple[str, dict]:
-    """(endpoint path, JSON body) for one prompt; identical for every configuration."""
-    common = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": True,
+def request_seed(base_seed: int, prompt_id: str) -> int:
+    """A per-request sampling seed, stable across configurations and runs (same prompt, same seed)."""
+    return zlib.crc32(f"{base_seed}/{prompt_id}".encode()) & 0x7FFFFFFF
+
+
+def request_body(prompt: Prompt, model: str, max_tokens: int,
+                 sampling: Mapping | None = None) -> tuple[str, dict]:
+    """(endpoint path, JSON body) for one prompt; identical for every configuration.
+
+    sampling: OpenAI sampling fields (temperature, top_p, top_k, seed); greedy when None. A `seed` is the
+    run's base seed: each request gets its own `request_seed(seed, prompt.id)`, so the `off` run of a
+    slice is reproducible and every configuration sees the same per-request seeds.
+    """
+    sampling = dict(sampling or {"temperature": 0.0})
+    if sampling.get("seed") is not None:
+        sampling["seed"] = request_seed(int(sampling["seed"]), prompt.id)
+    common = {"model": model, "max_tokens": max_tokens, **sampling, "stream": True,
               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     if prompt.stop:
         common["stop"] = list(prompt.stop)
@@ -94,11 +109,11 @@ def _delta_text(choice: dict) -> str:
 
 
 async def send_one(session, base: str, prompt: Prompt, model: str, max_tokens: int, timeout_s: float,
-                   run_t0: float, temperature: float = 0.0) -> RequestRecord:
+                   run_t0: float, sampling: Mapping | None = None) -> RequestRecord:
     import aiohttp
 
     rec = RequestRecord(prompt.id, prompt.dataset, prompt.kind)
-    path, body = request_body(prompt, model, max_tokens, temperature)
+    path, body = request_body(prompt, model, max_tokens, sampling)
     t0 = time.perf_counter()
     rec.start_s = t0 - run_t0
     parts: list[str] = []
@@ -164,7 +179,7 @@ async def send_one(session, base: str, prompt: Prompt, model: str, max_tokens: i
 async def _run(base: str, prompts: Sequence[Prompt], model: str, max_tokens: int, *, concurrency: int | None,
                rate: float | None, max_in_flight: int | None, timeout_s: float, seed: int,
                on_done: Callable[[RequestRecord], None] | None,
-               temperature: float) -> tuple[list[RequestRecord], float]:
+               sampling: Mapping | None) -> tuple[list[RequestRecord], float]:
     import aiohttp
 
     cap = concurrency if concurrency is not None else max_in_flight
@@ -177,9 +192,9 @@ async def _run(base: str, prompts: Sequence[Prompt], model: str, max_tokens: int
         async def one(i: int, p: Prompt):
             if sem is not None:
                 async with sem:
-                    rec = await send_one(session, base, p, model, max_tokens, timeout_s, run_t0, temperature)
+                    rec = await send_one(session, base, p, model, max_tokens, timeout_s, run_t0, sampling)
             else:
-                rec = await send_one(session, base, p, model, max_tokens, timeout_s, run_t0, temperature)
+                rec = await send_one(session, base, p, model, max_tokens, timeout_s, run_t0, sampling)
             records[i] = rec
             if on_done:
                 on_done(rec)
@@ -204,8 +219,10 @@ async def _run(base: str, prompts: Sequence[Prompt], model: str, max_tokens: int
 def run_load(base: str, prompts: Sequence[Prompt], model: str, max_tokens: int, *, concurrency: int | None = None,
              rate: float | None = None, max_in_flight: int | None = None, timeout_s: float = 600.0, seed: int = 0,
              on_done: Callable[[RequestRecord], None] | None = None,
-             temperature: float = 0.0) -> tuple[list[RequestRecord], float]:
-    """Send every prompt once; return (records in prompt order, wall seconds from first send to last end)."""
+             sampling: Mapping | None = None) -> tuple[list[RequestRecord], float]:
+    """Send every prompt once; return (records in prompt order, wall seconds from first send to last end).
+
+    sampling: the OpenAI sampling fields of every request (request_body); greedy when None."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency (closed loop) or rate (Poisson arrivals)")
     if concurrency is not None and concurrency < 1:
@@ -214,4 +231,4 @@ def run_load(base: str, prompts: Sequence[Prompt], model: str, max_tokens: int, 
         raise ValueError(f"rate = {rate}: must be > 0 requests/s")
     return asyncio.run(_run(base, prompts, model, max_tokens, concurrency=concurrency, rate=rate,
                             max_in_flight=max_in_flight, timeout_s=timeout_s, seed=seed, on_done=on_done,
-                            temperature=temperature))
+                            sampling=sampling))

@@ -4,6 +4,7 @@
 
 Reads OUT/runs/*.json (one per run, written by bench_serve.py). Quality is computed here, across runs:
 a run's greedy texts are compared prompt by prompt with the `off` run of the same load (same prompts).
+One folder holds one sampling setting (greedy, or one --temperature/--top-p/--top-k).
 """
 
 from __future__ import annotations
@@ -32,8 +33,19 @@ def _g(d, *keys):
     return d
 
 
+def run_sampling(run: dict) -> dict:
+    """The run's OpenAI sampling fields (runs written before --temperature existed were greedy)."""
+    return run["run"].get("sampling") or {"temperature": run["run"].get("temperature", 0.0)}
+
+
+def is_greedy(run: dict) -> bool:
+    return not run_sampling(run).get("temperature")
+
+
 def _identical(run: dict, base: dict | None) -> tuple[int, int] | None:
-    if base is None or run is base or not run.get("records"):
+    """(equal, compared) greedy texts against `off`; None when not comparable (sampled runs: speculation consumes
+    randomness differently, so equal seeds do not give equal texts; losslessness in distribution is tested)."""
+    if base is None or run is base or not run.get("records") or not is_greedy(run) or not is_greedy(base):
         return None
     ref = {r["id"]: r["text"] for r in base["records"] if r["ok"]}
     pairs = [(r["text"], ref[r["id"]]) for r in run["records"] if r["ok"] and r["id"] in ref]
@@ -68,7 +80,7 @@ def rows(runs: list[dict]) -> list[dict]:
             "e2e_s": [_g(res, "e2e_s", "median"), _g(res, "e2e_s", "p95")],
             "stage_ms_per_step": stage or None, "engine_steps": spec.get("engine_steps"),
             "peak_rss_gib": (mem.get("peak_rss_bytes") or 0) / 2**30 or None,
-            "identical": ident, "humaneval": (he.get("passed"), he.get("total")) if he else None,
+            "identical": ident, "sampled": not is_greedy(r), "humaneval": (he.get("passed"), he.get("total")) if he else None,
             "input_tokens": _g(res, "lengths", "input_tokens"), "output_tokens": _g(res, "lengths", "output_tokens"),
         })
     order = {"off": 0, "linear": 1, "tree": 2}
@@ -101,7 +113,8 @@ def markdown_table(rs: list[dict]) -> str:
             continue
         st = r["stage_ms_per_step"]
         stage = "-" if not st else f"{st['draft']:.2f} / {st['verify']:.2f} / {st['commit']:.2f}"
-        ident = "-" if r["identical"] is None else f"{r['identical'][0]}/{r['identical'][1]}"
+        ident = (("n/a (sampled)" if r["sampled"] and r["kind"] != "off" else "-") if r["identical"] is None
+                 else f"{r['identical'][0]}/{r['identical'][1]}")
         he = "-" if not r["humaneval"] or r["humaneval"][0] is None else f"{r['humaneval'][0]}/{r['humaneval'][1]}"
         load = f"c={r['level']:g}" if r["mode"] == "concurrency" else f"{r['level']:g} req/s"
         lines.append("| " + " | ".join([
@@ -351,9 +364,19 @@ def _itl_token(rec: dict) -> list[float]:
 # ---------------------------------------------------------------------------
 
 
+def check_one_sampling(runs: list[dict]) -> dict:
+    """A folder compares configurations under one sampling setting; mixing them would pair unlike runs."""
+    kinds = {json.dumps(run_sampling(r), sort_keys=True) for r in runs if r.get("run")}
+    if len(kinds) > 1:
+        raise SystemExit(f"runs with different sampling settings in one folder: {sorted(kinds)}; "
+                         "write each setting to its own --out folder")
+    return json.loads(kinds.pop()) if kinds else {"temperature": 0.0}
+
+
 def write_report(out: Path | str) -> str:
     out = Path(out)
     runs = load_runs(out)
+    sampling = check_one_sampling(runs)
     rs = rows(runs)
     cmp = comparisons(rs)
     ts = targets(cmp)
@@ -363,7 +386,8 @@ def write_report(out: Path | str) -> str:
     md = [
         f"# Serving benchmark: {out.name}",
         "",
-        f"Date (UTC): {env.get('date_utc')}; model: `{env.get('model')}`",
+        f"Date (UTC): {env.get('date_utc')}; model: `{env.get('model')}`; sampling: "
+        + ("greedy" if not sampling.get("temperature") else json.dumps(sampling) + " (seed: per-request base)"),
         f"Host: {host.get('cpu')}, {host.get('cores')} cores, {(host.get('memory_bytes') or 0) / 2**30:.0f} GiB, "
         f"GPU: {host.get('gpu') or 'none'}; load average at start: {host.get('loadavg_at_start')}",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in ver.items() if v) + f"; git {_g(env, 'git', 'commit')}"
@@ -378,7 +402,7 @@ def write_report(out: Path | str) -> str:
         "processes also poll while idle, so it is not a pure work measure either). Stage times are "
         "the tree worker's timers per engine step "
         "(verify = target distributions + lossless rule, not the forward). Identical = greedy text equal to the "
-        "`off` run on the same prompts.",
+        "`off` run on the same prompts (not compared for sampled runs).",
         "",
         "## Runs",
         "",

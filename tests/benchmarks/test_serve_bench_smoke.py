@@ -32,6 +32,7 @@ class _Fake:
         self.counters = {k: 0.0 for k in per_request}
         self.per_request = per_request
         self.k = tokens_per_chunk
+        self.bodies: list[dict] = []  # every POSTed request body, in arrival order
 
 
 def _handler(fake: _Fake):
@@ -61,6 +62,8 @@ def _handler(fake: _Fake):
 
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            with fake.lock:
+                fake.bodies.append(body)
             if len(body.get("stop") or []) > 4:  # vLLM's OpenAI layer rejects more than 4 stop strings
                 return self._send(400, json.dumps({"error": {"message": "stop: at most 4 items"}}))
             chat = self.path.endswith("/chat/completions")
@@ -109,7 +112,10 @@ def fake_server():
         srv = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
         threading.Thread(target=srv.serve_forever, daemon=True).start()
         servers.append(srv)
+        start.fakes.append(fake)
         return f"http://127.0.0.1:{srv.server_address[1]}"
+
+    start.fakes = []
 
     yield start
     for s in servers:
@@ -173,6 +179,43 @@ def test_bench_serve_against_fake_server(fake_server, tmp_path):
     assert "| tree-suffix-D6 | c=2 | 4/0/0 | 3.00 | 6.00 | 0.33 |" in md
 
 
+def test_sampled_runs_carry_per_request_seeds_and_skip_identity(fake_server, tmp_path):
+    import bench_serve
+
+    out = tmp_path / "sampled"
+    common = ["--concurrency", "2", "--num-prompts", "4", "--max-tokens", "6", "--datasets", "math",
+              "--out", str(out), "--no-exec", "--timeout", "30", "--temperature", "0.8", "--top-p", "0.95",
+              "--seed", "7"]
+    assert bench_serve.main(["--base-url", fake_server(), "--configs", "off", *common]) == 0
+    assert bench_serve.main(["--base-url", fake_server(3, TREE_COUNTERS), "--configs", "tree-ngram",
+                             "--budgets", "6", *common]) == 0
+    off_fake, tree_fake = fake_server.fakes
+
+    def measured(fake):  # prompt text -> body, warm-up excluded (it is the first request)
+        return {b["messages"][0]["content"]: b for b in fake.bodies[1:]}
+
+    off_b, tree_b = measured(off_fake), measured(tree_fake)
+    assert len(off_b) == 4 and off_b.keys() == tree_b.keys()
+    for text, b in off_b.items():
+        assert b["temperature"] == 0.8 and b["top_p"] == 0.95 and "top_k" not in b
+        assert tree_b[text]["seed"] == b["seed"]  # same prompt, same seed, in every configuration
+    assert len({b["seed"] for b in off_b.values()}) == 4  # but a different seed per request
+    row = json.loads((out / "runs" / "tree-ngram-D6__c2.json").read_text())
+    assert row["run"]["sampling"] == {"temperature": 0.8, "seed": 7, "top_p": 0.95}
+    assert "--temperature 0.8" in row["reproduce"] and "--top-p 0.95" in row["reproduce"]
+    summary = json.loads((out / "summary.json").read_text())
+    tree = next(r for r in summary["rows"] if r["config"] == "tree-ngram-D6")
+    assert tree["sampled"] and tree["identical"] is None  # sampled texts are not compared with `off`
+    assert "n/a (sampled)" in (out / "report.md").read_text()
+
+    # one sampling setting per folder: a greedy invocation into it is refused before anything runs
+    with pytest.raises(SystemExit, match="one sampling setting per folder"):
+        bench_serve.main(["--base-url", fake_server(), "--configs", "off", "--concurrency", "1", "--num-prompts",
+                          "1", "--out", str(out)])
+    with pytest.raises(SystemExit, match="--top-p / --top-k need --temperature"):
+        bench_serve.parse_args(["--top-k", "5"])
+
+
 def test_errors_and_timeouts_are_kept(fake_server):
     from serve_client import run_load
     from serve_datasets import Prompt
@@ -208,6 +251,11 @@ def test_metrics_parser_and_config_catalogue():
     static = parse_tree_config(make_config("tree-draft-static", 6, draft="/d").spec)
     dynamic = parse_tree_config(make_config("tree-draft-dynamic", 6, draft="/d").spec)
     assert not static.is_dynamic and dynamic.is_dynamic and static.max_nodes == dynamic.max_nodes == 6
+    sampled = parse_tree_config(make_config("tree-draft-sampled", 6, draft="/d").spec)
+    assert sampled.draft_sampling == "sample_without_replacement" and sampled.max_nodes == 6
+    assert sampled.verification_mode == "sampled_without_replacement"
+    with pytest.raises(ValueError, match="needs --draft"):
+        make_config("tree-draft-sampled", 6)
     runs = plan_runs([1, 4], [0.5], [8, 16, 5], prompts_per_slot=2, warmup=1)
     assert [(r.key, r.offset, r.num_prompts) for r in runs] == [("c1", 1, 8), ("c4", 9, 16), ("r0.5", 25, 5)]
 

@@ -143,3 +143,27 @@ def test_history_dependent_parameters_see_each_rows_own_path(model):
     for i, (a, b) in enumerate(zip(base.outputs, run.outputs)):
         assert a == b, f"prompt {i} ({params[i]}): differs at token {next(k for k, (x, y) in enumerate(zip(a, b)) if x != y) if a[:len(b)] != b[:len(a)] else min(len(a), len(b))}"
     assert run.tree_stats["rounds"] > 0 and run.tree_stats["accepted"] > 0, run.tree_stats
+
+
+@pytest.mark.vllm
+def test_requests_near_max_model_len_keep_their_trees(model):
+    """Requests that run into max_model_len, batched with requests that do not.
+
+    vLLM zeroes every request's drafts once the longest request in the batch cannot take
+    num_spec_tokens more positions; the tree runner sizes each request's tree by its own room
+    instead (an engine that scheduled those zeros without a tree behind them crashed mid-request).
+    Outputs stop at max_model_len exactly as without speculation, and short requests keep drafting.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    max_len = 256
+    raw = repetitive_prompts(6, VOCAB, seed=3)
+    long_ = [(p * 20)[: max_len - 20 + 3 * i] for i, p in enumerate(raw[:4])]  # 20, 17, 14, 11 positions left
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in long_ + raw[4:]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = run_engine(model, prompts, params, max_model_len=max_len)
+    run = run_engine(model, prompts, params, TREE, max_model_len=max_len)
+    assert [len(o) for o in base.outputs[:4]] == [20, 17, 14, 11]
+    assert run.outputs == base.outputs
+    assert run.tree_stats["rounds"] > 0 and run.tree_stats["accepted"] > 0

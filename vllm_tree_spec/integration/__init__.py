@@ -16,11 +16,16 @@
         Why: CPUWorker builds its runner by module-global name and has no factory hook.
         Removal: a `_make_model_runner` hook on CPUWorker (GPU's Worker has one; TreeGPUWorker uses it).
     P4  Model-runner method overrides in TreeRunnerMixin (propose_draft_token_ids, _update_states,
-        _prepare_inputs, _build_attention_metadata, _sample, initialize_kv_cache), on a subclass used
+        _prepare_inputs, _build_attention_metadata, _sample, initialize_kv_cache, _input_fits_in_drafter),
+        on a subclass used
         only by tree engines; model-specific adapters hook in there (DeepSeek-V4: integration/dsv4/,
         whose own touch points D1-D5 are recorded in its package docstring)
         Why: depth positions, tree masks, tree verification and KV compaction have no upstream hooks.
         Removal: upstream tree speculation (vLLM PR #22752 was the closest; closed).
+        _input_fits_in_drafter returns True: vLLM zeroes *every* request's drafts once the longest request
+        cannot take num_spec_tokens more positions, and those zeros would be scheduled with no tree behind
+        them; the tree drafter sizes each request's tree by its own room instead. Removal: a per-request
+        room check upstream (or drafts cleared rather than zeroed).
 
 `install()` is what the plugin entry point calls; it applies P1 only (inert unless a tree config is
 given). P2-P4 happen in the worker that P1 selects, i.e. only in tree engines.

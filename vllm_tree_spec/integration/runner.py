@@ -131,6 +131,12 @@ class TreeRunnerMixin:
         self.tree_stats.add_time("draft", time.perf_counter() - t0)
         return drafts
 
+    def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
+        # vLLM's batch-wide check zeroes every request's drafts once the longest request is within
+        # num_spec_tokens of max_model_len; zeros would then be scheduled as drafts with no tree behind
+        # them. propose_draft_token_ids caps each request's tree by its own room instead.
+        return True
+
     def _update_states(self, scheduler_output):
         for rid in scheduler_output.finished_req_ids:
             self._tree_drafts.pop(rid, None)
@@ -162,7 +168,8 @@ class TreeRunnerMixin:
                 raise RuntimeError(f"request {rid} has {n} scheduled drafts but no recorded tree")
             tree = dt.tree.subtree(n)  # the scheduler may keep a topological prefix
             if tree.tokens.tolist() != list(drafted):
-                raise RuntimeError(f"request {rid}: scheduled drafts {list(drafted)} do not match its tree")
+                raise RuntimeError(f"request {rid}: scheduled drafts {list(drafted)} do not match its tree "
+                                   f"{dt.tree.tokens.tolist()} (first {n} nodes: {tree.tokens.tolist()})")
             idx = self.input_batch.req_id_to_index[rid]
             root_row = int(qsl[idx + 1]) - n - 1
             # vLLM's linear position of the root (host-side: no device sync per request on GPUs)
