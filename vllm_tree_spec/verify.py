@@ -105,22 +105,43 @@ class VerifyCoins:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> "VerifyCoins":
-        """Draw coins; request b uses generators[b] when given (seeded requests), else the default RNG."""
-        shape_u = (batch_size, max_depth + 1, max(1, max_children))
-        shape_e = (batch_size, max_depth + 1, vocab_size)
-        # float64 uniforms: an exact 0 is (nearly) impossible, as in vLLM's generate_uniform_probs.
-        u = torch.rand(shape_u, dtype=torch.float64, device=device)
-        e = torch.empty(shape_e, dtype=dtype, device=device).exponential_()
-        if generators is not None:
-            for b, g in enumerate(generators):
-                if g is not None:
-                    u[b] = torch.rand(shape_u[1:], dtype=torch.float64, device=device, generator=g)
-                    e[b].exponential_(generator=g)
+        """Draw coins; request b uses generators[b] when given (seeded requests), else the default RNG.
+
+        Each request's coins are drawn once, from its own generator or (all unseeded requests together)
+        from the default RNG: nothing is drawn twice, which halves the cost of seeded batches.
+        """
+        shape_u = (max_depth + 1, max(1, max_children))
+        shape_e = (max_depth + 1, vocab_size)
+        gens = list(generators) if generators is not None else [None] * batch_size
+        u = torch.empty((batch_size, *shape_u), dtype=torch.float64, device=device)
+        e = torch.empty((batch_size, *shape_e), dtype=dtype, device=device)
+        free = [b for b, g in enumerate(gens) if g is None]
+        if free:
+            idx = torch.tensor(free, device=device) if len(free) < batch_size else slice(None)
+            # float64 uniforms: an exact 0 is (nearly) impossible, as in vLLM's generate_uniform_probs.
+            u[idx] = torch.rand((len(free), *shape_u), dtype=torch.float64, device=device)
+            e[idx] = exponential((len(free), *shape_e), dtype=dtype, device=device)
+        for b, g in enumerate(gens):
+            if g is not None:
+                u[b] = torch.rand(shape_u, dtype=torch.float64, device=device, generator=g)
+                e[b] = exponential(shape_e, dtype=dtype, device=device, generator=g)
         e.clamp_(min=torch.finfo(dtype).tiny)  # E = 0 would turn p = 0 into nan
         return VerifyCoins(u, e)
 
     def for_request(self, b: int) -> "VerifyCoins":
         return VerifyCoins(self.uniform[b : b + 1], self.exponential[b : b + 1])
+
+
+def exponential(shape, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Exp(1) noise as -log(1 - U) from float64 uniforms U in [0, 1), cast to dtype.
+
+    53-bit uniforms keep E = 0 (a win for any token, whatever its p) at probability ~2^-53 per entry;
+    float32 uniforms would give it 2^-24 per entry, about 0.3% per row at V = 49k. On CPU this is
+    ~2.5x faster than Tensor.exponential_.
+    """
+    u = torch.rand(shape, dtype=torch.float64, device=device, generator=generator)
+    return u.neg_().log1p_().neg_().to(dtype)
 
 
 def race(p: torch.Tensor, exponential: torch.Tensor) -> torch.Tensor:

@@ -141,13 +141,14 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step) -> "SamplerOutput
     max_cols = max(num_draft) + 1
     out = torch.full((num_reqs, max_cols), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=logits.device)
 
-    # Every request's root row through vLLM's own sampler (exact for requests without drafts).
-    base = runner.sampler(logits=logits[root_rows],
-                          sampling_metadata=replace(sampling_metadata, max_num_logprobs=None))
-    out[:, 0] = base.sampled_token_ids[:, 0].to(torch.int64)
-
     tree_by_index = step.by_index()
     tree_idx = [b for b in range(num_reqs) if b in tree_by_index and num_draft[b] > 0]
+    if len(tree_idx) < num_reqs:
+        # Root rows through vLLM's own sampler (exact for requests without drafts; tree requests'
+        # columns are overwritten below). Skipped when every request verifies a tree.
+        base = runner.sampler(logits=logits[root_rows],
+                              sampling_metadata=replace(sampling_metadata, max_num_logprobs=None))
+        out[:, 0] = base.sampled_token_ids[:, 0].to(torch.int64)
     emit_rows = torch.zeros(num_reqs, max_cols, dtype=torch.long, device=logits.device)  # row of each output
     emit_rows[:, 0] = root_rows
     result: TreeVerifyOutput | None = None
