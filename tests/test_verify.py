@@ -12,6 +12,8 @@ from vllm_tree_spec.tree import Tree, TreeBatch
 from vllm_tree_spec.verify import (
     Mode,
     VerifyCoins,
+    exponential,
+    race,
     verify_batch,
     verify_tree,
     verify_tree_with_coins,
@@ -244,6 +246,22 @@ def test_seeded_generators_are_reproducible():
     assert torch.equal(a.uniform[0], b.uniform[0]) and torch.equal(a.exponential[2], b.exponential[2])
     assert not torch.equal(a.uniform[1], b.uniform[1])
     assert (a.exponential > 0).all() and ((a.uniform >= 0) & (a.uniform < 1)).all()
+    # a seeded request's coins do not depend on the rest of the batch
+    alone = VerifyCoins.draw(1, 2, 2, 11, generators=[torch.Generator().manual_seed(8)])
+    assert torch.equal(alone.uniform[0], a.uniform[2]) and torch.equal(alone.exponential[0], a.exponential[2])
+
+
+def test_exponential_noise_is_exp1():
+    g = torch.Generator().manual_seed(0)
+    e = exponential((200_000,), dtype=torch.float64, generator=g)
+    assert (e >= 0).all()
+    assert stats.kstest(e.numpy(), "expon").pvalue > 1e-3
+    # the race argmax(p / E) draws from p (chi-square over 20k draws)
+    p = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625, 0.0], dtype=torch.float64)
+    draws = race(p.expand(20_000, -1), exponential((20_000, 6), dtype=torch.float32, generator=g))
+    counts = torch.bincount(draws, minlength=6).double()
+    assert counts[5] == 0  # p = 0 is never drawn
+    assert stats.chisquare(counts[:5].numpy(), (20_000 * p[:5]).numpy()).pvalue > 1e-3
 
 
 # -- a chain is ordinary linear speculative sampling ---------------------------------------------
