@@ -341,6 +341,31 @@ def test_batched_matches_exact_law_chi_square(mode):
 
 
 @pytest.mark.stats
+@pytest.mark.parametrize("mode", ["deterministic", "sampled_without_replacement"])
+def test_lazy_seeded_coins_match_exact_law_chi_square(mode):
+    """Per-request generators with lazily drawn exponential rows (the engine's coins)."""
+    vocab, n = 5, 4000
+    g = torch.Generator().manual_seed(7)
+    rows = STAT_TREE.num_nodes + 1
+    p = torch.softmax(torch.randn(rows, vocab, generator=g, dtype=torch.float64), -1)
+    q = torch.softmax(torch.randn(rows, vocab, generator=g, dtype=torch.float64), -1)
+    law = enumerate_law(lambda c: (lambda r: (tuple(r[0]), r[1]))(
+        verify_tree_with_coins(STAT_TREE.parents, STAT_TREE.tokens, p, q, mode, c)))
+    batch = TreeBatch.from_trees([STAT_TREE] * n)
+    gens = [torch.Generator().manual_seed(10_000 + b) for b in range(n)]
+    coins = VerifyCoins.draw(n, batch.max_depth, batch.max_children, vocab, generators=gens,
+                             dtype=torch.float64, lazy=True)
+    assert coins.exponential is None
+    out = verify_batch(batch, p.repeat(n, 1), q.repeat(n, 1), mode, coins)
+    counts: dict = {}
+    for b in range(n):
+        key = (tuple(out.accepted_nodes[b, : int(out.num_accepted[b])].tolist()), int(out.next_token[b]))
+        counts[key] = counts.get(key, 0) + 1
+    assert set(counts) <= {k for k, v in law.items() if v > 0}, "an impossible outcome was produced"
+    assert _chi_square(counts, law, n) > 1e-3
+
+
+@pytest.mark.stats
 def test_generator_reference_matches_exact_law_chi_square():
     vocab, n = 4, 3000
     g0 = torch.Generator().manual_seed(5)

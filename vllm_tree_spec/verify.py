@@ -34,13 +34,17 @@ Randomness. The walk visits at most one row per depth, so coins are indexed by
 `exponential[b, d, :]` for the draw at depth d (y = argmax(p / E), the
 exponential race, as vLLM's recovered-token kernel). Passing the same
 `VerifyCoins` makes the reference walk (`verify_tree_with_coins`), the
-vectorised `verify_batch` and a kernel agree token for token.
+vectorised `verify_batch` and a kernel agree token for token. Lazy coins
+(`VerifyCoins.draw(..., lazy=True)`, the engine's) draw an exponential row
+only when the walk reaches its depth: same law, (accepted + 1) rows of V per
+request instead of D + 1.
 
 Two implementations:
 * `verify_tree` -- the simple reference, one request, a Python walk; the entry
   point outside checks call.
 * `verify_batch` -- B requests with different trees, vectorised over nodes and
-  requests (the only Python loop runs over sibling rank in the sampled modes).
+  requests (Python loops run over sibling rank in the sampled modes and over
+  depth in the deterministic mode, whose draws are made only where the walk goes).
 """
 
 from __future__ import annotations
@@ -85,15 +89,23 @@ class Mode(IntEnum):
 
 @dataclass
 class VerifyCoins:
-    """All randomness of one verification call, drawn outside the walk.
+    """All randomness of one verification call.
 
     Attributes:
         uniform: [B, D + 1, K] float64 in [0, 1): child tests at depth d, sibling rank j.
-        exponential: [B, D + 1, V] Exp(1) noise (clamped > 0) for the draw at depth d.
+        exponential: [B, D + 1, V] Exp(1) noise (clamped > 0) for the draw at depth d; None for lazy
+            coins, whose rows are drawn when the walk first reads them (`exponential_at`).
+
+    A walk reads at most one exponential row per (request, depth), and only at the depths it reaches,
+    so lazy coins draw (accepted + 1) rows of V per request instead of D + 1. Each row is fresh noise
+    from the request's own stream, whatever the walk did before: the law is the same as eager coins.
     """
 
     uniform: torch.Tensor  # [B, D + 1, K]
-    exponential: torch.Tensor  # [B, D + 1, V]
+    exponential: torch.Tensor | None  # [B, D + 1, V], or None (lazy)
+    generators: Sequence[torch.Generator | None] | None = None  # lazy coins: each request's stream
+    vocab_size: int = 0
+    dtype: torch.dtype = torch.float32
 
     @staticmethod
     def draw(
@@ -104,31 +116,54 @@ class VerifyCoins:
         generators: Sequence[torch.Generator | None] | None = None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        lazy: bool = False,
     ) -> "VerifyCoins":
         """Draw coins; request b uses generators[b] when given (seeded requests), else the default RNG.
 
         Each request's coins are drawn once, from its own generator or (all unseeded requests together)
-        from the default RNG: nothing is drawn twice, which halves the cost of seeded batches.
+        from the default RNG. lazy=True draws the uniforms now and the exponential rows on first use.
         """
         shape_u = (max_depth + 1, max(1, max_children))
         shape_e = (max_depth + 1, vocab_size)
         gens = list(generators) if generators is not None else [None] * batch_size
         u = torch.empty((batch_size, *shape_u), dtype=torch.float64, device=device)
-        e = torch.empty((batch_size, *shape_e), dtype=dtype, device=device)
+        e = None if lazy else torch.empty((batch_size, *shape_e), dtype=dtype, device=device)
         free = [b for b, g in enumerate(gens) if g is None]
         if free:
             idx = torch.tensor(free, device=device) if len(free) < batch_size else slice(None)
             # float64 uniforms: an exact 0 is (nearly) impossible, as in vLLM's generate_uniform_probs.
             u[idx] = torch.rand((len(free), *shape_u), dtype=torch.float64, device=device)
-            e[idx] = exponential((len(free), *shape_e), dtype=dtype, device=device)
+            if e is not None:
+                e[idx] = exponential((len(free), *shape_e), dtype=dtype, device=device)
         for b, g in enumerate(gens):
             if g is not None:
                 u[b] = torch.rand(shape_u, dtype=torch.float64, device=device, generator=g)
-                e[b] = exponential(shape_e, dtype=dtype, device=device, generator=g)
-        e.clamp_(min=torch.finfo(dtype).tiny)  # E = 0 would turn p = 0 into nan
-        return VerifyCoins(u, e)
+                if e is not None:
+                    e[b] = exponential(shape_e, dtype=dtype, device=device, generator=g)
+        if e is not None:
+            e.clamp_(min=torch.finfo(dtype).tiny)  # E = 0 would turn p = 0 into nan
+        return VerifyCoins(u, e, gens if lazy else None, vocab_size, dtype)
+
+    def exponential_at(self, req: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
+        """[n, V] exponential rows of the (req[i], depth[i]) pairs; read at most once per pair."""
+        if self.exponential is not None:
+            return self.exponential[req, depth]
+        device = self.uniform.device
+        out = torch.empty((req.numel(), self.vocab_size), dtype=self.dtype, device=device)
+        reqs = req.tolist()
+        gens = self.generators or [None] * self.uniform.shape[0]
+        free = [i for i, b in enumerate(reqs) if gens[b] is None]
+        if free:
+            out[torch.tensor(free, device=device)] = exponential((len(free), self.vocab_size), dtype=self.dtype,
+                                                                 device=device)
+        for i, b in enumerate(reqs):
+            if gens[b] is not None:
+                out[i] = exponential((self.vocab_size,), dtype=self.dtype, device=device, generator=gens[b])
+        return out.clamp_(min=torch.finfo(self.dtype).tiny)
 
     def for_request(self, b: int) -> "VerifyCoins":
+        if self.exponential is None:
+            raise ValueError("for_request needs eager coins (VerifyCoins.draw(..., lazy=False))")
         return VerifyCoins(self.uniform[b : b + 1], self.exponential[b : b + 1])
 
 
@@ -476,7 +511,7 @@ def verify_batch(
     if any(Mode(m).needs_draft_probs for m in present) and draft_probs is None:
         raise ValueError("draft_probs is required when a request uses a sampled mode")
     if coins is None and present != {int(Mode.GREEDY)}:
-        coins = VerifyCoins.draw(B, D, batch.max_children, V, dtype=target_probs.dtype, device=device)
+        coins = VerifyCoins.draw(B, D, batch.max_children, V, dtype=target_probs.dtype, device=device, lazy=True)
 
     # Per-node metadata, flattened over requests ([T] = all draft nodes).
     node_req = torch.repeat_interleave(torch.arange(B), batch.num_nodes).to(device)  # [T]
@@ -498,20 +533,36 @@ def verify_batch(
     taken = torch.zeros_like(tokens, dtype=torch.bool)  # [T]
     y_row = torch.zeros(R, dtype=torch.long, device=device)  # [R] greedy / deterministic draw per row
     p_final = None
+    # child_node[r, j]: global node index of the j-th child of row r (-1 = none).
+    K = max(1, batch.max_children)
+    child_node = torch.full((R, K), NO_NODE, dtype=torch.long, device=device)
+    child_node[parent_row, sib_rank] = torch.arange(tokens.numel(), device=device)
 
-    if present & {int(Mode.GREEDY), int(Mode.DETERMINISTIC)}:
-        greedy_y = target_argmax.to(device) if target_argmax is not None else target_probs.argmax(-1)  # [R]
-        if int(Mode.DETERMINISTIC) in present:
-            e_rows = coins.exponential[row_req, row_depth]  # [R, V]
-            det_y = race(target_probs, e_rows)
-            y_row = torch.where(modes.to(device)[row_req] == Mode.DETERMINISTIC, det_y, greedy_y)
-        else:
-            y_row = greedy_y
+    if int(Mode.GREEDY) in present:
+        y_row = (target_argmax.to(device) if target_argmax is not None else target_probs.argmax(-1)).clone()  # [R]
         match = tokens == y_row[parent_row]  # [T]
         # Among matching siblings only the first counts (duplicates are legal in greedy mode).
         first = torch.full((R,), 1 << 30, dtype=torch.long, device=device)
         first = first.scatter_reduce(0, parent_row[match], sib_rank[match], reduce="amin")
-        taken = match & (sib_rank == first[parent_row]) & (node_mode <= Mode.DETERMINISTIC)
+        taken = match & (sib_rank == first[parent_row]) & (node_mode == Mode.GREEDY)
+
+    if int(Mode.DETERMINISTIC) in present:
+        # Sample-and-match, one depth at a time over the requests still walking: a draw is made only
+        # at rows the walk reaches (lazy coins then draw only those exponential rows).
+        tokens_or_none = torch.cat([tokens, tokens.new_full((1,), -1)])  # [T + 1]: index -1 (no child) -> -1
+        walking = (modes.to(device) == Mode.DETERMINISTIC).nonzero().flatten()  # [n] request ids
+        row = row_base[walking]  # [n] the row each walking request is at
+        for d in range(D + 1):
+            if walking.numel() == 0:
+                break
+            y = race(target_probs[row], coins.exponential_at(walking, torch.full_like(walking, d)))  # [n]
+            y_row[row] = y
+            children = child_node[row]  # [n, K]
+            hit = tokens_or_none[children] == y[:, None]  # [n, K]
+            on = hit.any(-1)
+            nxt = children.gather(1, hit.to(torch.int8).argmax(-1, keepdim=True)).squeeze(1)  # first match
+            taken[nxt[on]] = True
+            walking, row = walking[on], node_row[nxt[on]]
 
     if present & {int(Mode.SAMPLED), int(Mode.SAMPLED_WITHOUT_REPLACEMENT)}:
         row_mode = modes.to(device)[row_req]  # [R]
@@ -520,10 +571,6 @@ def verify_batch(
         p_cur = target_probs.clone()  # [R, V] residual target per row
         q_cur = draft_probs.clone()  # [R, V] (renormalised q for without-replacement rows)
         done = torch.zeros(R, dtype=torch.bool, device=device)  # a child of the row was accepted
-        # child_node[r, j]: global node index of the j-th child of row r (-1 = none).
-        K = max(1, batch.max_children)
-        child_node = torch.full((R, K), NO_NODE, dtype=torch.long, device=device)
-        child_node[parent_row, sib_rank] = torch.arange(tokens.numel(), device=device)
         for j in range(K if tokens.numel() else 0):  # sibling rank; everything else is vectorised
             c = child_node[:, j]  # [R]
             has = (c >= 0) & sampled_row
@@ -566,10 +613,10 @@ def verify_batch(
 
     next_token = y_row[last_row]
     if p_final is not None:
-        sampled_req = modes.to(device) >= Mode.SAMPLED
-        e_last = coins.exponential[torch.arange(B, device=device), num_accepted]  # [B, V]
-        sampled_next = race(p_final[last_row], e_last)
-        next_token = torch.where(sampled_req, sampled_next, next_token)
+        sampled = (modes.to(device) >= Mode.SAMPLED).nonzero().flatten()  # [s] request ids
+        e_last = coins.exponential_at(sampled, num_accepted[sampled])  # [s, V]
+        next_token = next_token.clone()
+        next_token[sampled] = race(p_final[last_row[sampled]], e_last)
 
     # Emitted tokens: accepted tokens, then next_token; cut at EOS / max_tokens.
     padded_tokens = batch.padded_tokens.to(device)

@@ -191,7 +191,7 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step) -> "SamplerOutput
                                    for r, p in zip(reqs, probs)]).to(p_all)
             coins = VerifyCoins.draw(len(reqs), batch.max_depth, batch.max_children, p_all.shape[1],
                                      generators=[st.generator for st in states], dtype=p_all.dtype,
-                                     device=p_all.device)
+                                     device=p_all.device, lazy=True)  # rows drawn where the walk goes
             result = verify_batch(batch, p_all, q_all, torch.tensor(modes), coins,
                                   eos_token_id=torch.tensor(eos), max_tokens=torch.tensor(budget))
         result = broadcast_from_first_rank(result)
