@@ -319,43 +319,23 @@ def _chi_square(counts: dict, law: dict, n: int) -> float:
 STAT_TREE = Tree([-1, -1, 0, 0, 2, 1], [0, 1, 2, 0, 1, 3])
 
 
-@pytest.mark.stats
-@pytest.mark.parametrize("mode", ["deterministic", "sampled", "sampled_without_replacement"])
-def test_batched_matches_exact_law_chi_square(mode):
-    vocab, n = 5, 20000
-    g = torch.Generator().manual_seed(42)
+def _check_batched_law(mode: str, n: int, seed: int, seeded: bool) -> None:
+    """n copies of STAT_TREE through verify_batch; outcome counts against the exact law (chi-square)."""
+    vocab = 5
+    g = torch.Generator().manual_seed(seed)
     rows = STAT_TREE.num_nodes + 1
     p = torch.softmax(torch.randn(rows, vocab, generator=g, dtype=torch.float64), -1)
     q = torch.softmax(torch.randn(rows, vocab, generator=g, dtype=torch.float64), -1)
     law = enumerate_law(lambda c: (lambda r: (tuple(r[0]), r[1]))(
         verify_tree_with_coins(STAT_TREE.parents, STAT_TREE.tokens, p, q, mode, c)))
     batch = TreeBatch.from_trees([STAT_TREE] * n)
+    coins = None  # default: lazy coins from the global RNG
+    if seeded:  # per-request generators with lazily drawn exponential rows (the engine's coins)
+        gens = [torch.Generator().manual_seed(10_000 + b) for b in range(n)]
+        coins = VerifyCoins.draw(n, batch.max_depth, batch.max_children, vocab, generators=gens,
+                                 dtype=torch.float64, lazy=True)
+        assert coins.exponential is None
     torch.manual_seed(2024)
-    out = verify_batch(batch, p.repeat(n, 1), q.repeat(n, 1), mode)
-    counts: dict = {}
-    for b in range(n):
-        key = (tuple(out.accepted_nodes[b, : int(out.num_accepted[b])].tolist()), int(out.next_token[b]))
-        counts[key] = counts.get(key, 0) + 1
-    assert set(counts) <= {k for k, v in law.items() if v > 0}, "an impossible outcome was produced"
-    assert _chi_square(counts, law, n) > 1e-3
-
-
-@pytest.mark.stats
-@pytest.mark.parametrize("mode", ["deterministic", "sampled_without_replacement"])
-def test_lazy_seeded_coins_match_exact_law_chi_square(mode):
-    """Per-request generators with lazily drawn exponential rows (the engine's coins)."""
-    vocab, n = 5, 4000
-    g = torch.Generator().manual_seed(7)
-    rows = STAT_TREE.num_nodes + 1
-    p = torch.softmax(torch.randn(rows, vocab, generator=g, dtype=torch.float64), -1)
-    q = torch.softmax(torch.randn(rows, vocab, generator=g, dtype=torch.float64), -1)
-    law = enumerate_law(lambda c: (lambda r: (tuple(r[0]), r[1]))(
-        verify_tree_with_coins(STAT_TREE.parents, STAT_TREE.tokens, p, q, mode, c)))
-    batch = TreeBatch.from_trees([STAT_TREE] * n)
-    gens = [torch.Generator().manual_seed(10_000 + b) for b in range(n)]
-    coins = VerifyCoins.draw(n, batch.max_depth, batch.max_children, vocab, generators=gens,
-                             dtype=torch.float64, lazy=True)
-    assert coins.exponential is None
     out = verify_batch(batch, p.repeat(n, 1), q.repeat(n, 1), mode, coins)
     counts: dict = {}
     for b in range(n):
@@ -363,6 +343,18 @@ def test_lazy_seeded_coins_match_exact_law_chi_square(mode):
         counts[key] = counts.get(key, 0) + 1
     assert set(counts) <= {k for k, v in law.items() if v > 0}, "an impossible outcome was produced"
     assert _chi_square(counts, law, n) > 1e-3
+
+
+@pytest.mark.stats
+@pytest.mark.parametrize("mode", ["deterministic", "sampled", "sampled_without_replacement"])
+def test_batched_matches_exact_law_chi_square(mode):
+    _check_batched_law(mode, n=20000, seed=42, seeded=False)
+
+
+@pytest.mark.stats
+@pytest.mark.parametrize("mode", ["deterministic", "sampled_without_replacement"])
+def test_lazy_seeded_coins_match_exact_law_chi_square(mode):
+    _check_batched_law(mode, n=4000, seed=7, seeded=True)
 
 
 @pytest.mark.stats
