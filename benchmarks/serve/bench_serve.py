@@ -35,7 +35,8 @@ Configurations (`--configs`, D from `--budgets`):
     linear-ngram           vLLM `ngram` (prompt lookup 1..3), chain of D
     tree-ngram             tree drafter `ngram` (same lookup), <= D nodes
     tree-ngram-fallback    tree-ngram with --fallback-budgets
-    linear-draft           vLLM `draft_model` with --draft, chain of D
+    linear-draft           vLLM `draft_model` with --draft, chain of D (vLLM's default: argmax drafts, q one-hot)
+    linear-draft-prob      the same with "draft_sample_method": "probabilistic" (drafts sampled from q, p/q test)
     tree-draft-static      tree drafter `draft_model`, a fixed D-node tree (Sequoia-optimal for a generic
                            acceptance profile, ranks filled from the draft's top-k)
     tree-draft-dynamic     tree drafter `draft_model`, EAGLE-2 dynamic shape of the same depth and budget
@@ -72,7 +73,8 @@ for _p in (str(HERE), str(ROOT)):
 from serve_datasets import DATASETS, Prompt, build_pool, distribution, extract_code  # noqa: E402
 
 CONFIG_KINDS = ("off", "linear-suffix", "tree-suffix", "tree-suffix-fallback", "linear-suffix-wide", "tree-suffix-wide",
-                "linear-ngram", "tree-ngram", "tree-ngram-fallback", "linear-draft", "tree-draft-static",
+                "linear-ngram", "tree-ngram", "tree-ngram-fallback", "linear-draft", "linear-draft-prob",
+                "tree-draft-static",
                 "tree-draft-dynamic", "tree-draft-sampled", "tree-draft-planned")
 WIDE_SUFFIX = {"max_spec_factor": 4.0, "min_token_prob": 0.0}  # lets suffix drafts use the whole budget
 CPU_FIX_ENV = "VLLM_TREE_SPEC_FIX_CPU_EXPAND"  # vllm_tree_spec/integration/vllm_cpu_fixes.py
@@ -149,6 +151,9 @@ def make_config(kind: str, budget: int, draft: str | None = None, fallback: dict
         "tree-ngram": {"method": "tree", "drafter": "ngram", "num_speculative_tokens": d, **lookup},
         "tree-ngram-fallback": {"method": "tree", "drafter": "ngram", "num_speculative_tokens": d, **lookup},
         "linear-draft": {"method": "draft_model", "model": draft, "num_speculative_tokens": d},
+        # vLLM's default drafts the argmax (q one-hot); "probabilistic" samples q and tests p/q (T > 0)
+        "linear-draft-prob": {"method": "draft_model", "model": draft, "num_speculative_tokens": d,
+                              "draft_sample_method": "probabilistic"},
     }.get(kind)
     if kind in ("tree-draft-static", "tree-draft-dynamic", "tree-draft-sampled"):
         paths, shape = static_tree_paths(d)
