@@ -584,12 +584,14 @@ def verify_batch(
             acc = has & ~done & (u < ratio.to(u.dtype))
             taken[cc[acc]] = True
             step = has & ~done & ~acc  # rows that reject child j and move on
-            p_cur = torch.where(step[:, None], residual(p_cur, q_cur), p_cur)
-            wor = step & wor_row
-            if bool(wor.any()):
-                q_new = q_cur.scatter(1, x[:, None], 0.0)
-                q_new = q_new / row_sum(q_new).clamp(min=torch.finfo(q_new.dtype).tiny)
-                q_cur = torch.where(wor[:, None], q_new, q_cur)
+            # Row-wise updates of the rejecting rows only (the other rows' p and q are left as they are).
+            si = step.nonzero().flatten()
+            if si.numel():
+                p_cur[si] = residual(p_cur[si], q_cur[si])
+            wi = (step & wor_row).nonzero().flatten()
+            if wi.numel():
+                q_new = q_cur[wi].scatter(1, x[wi, None], 0.0)
+                q_cur[wi] = q_new / row_sum(q_new).clamp(min=torch.finfo(q_new.dtype).tiny)
             done |= acc
         p_final = p_cur
 
