@@ -124,47 +124,47 @@ class VerifyCoins:
         from the default RNG. lazy=True draws the uniforms now and the exponential rows on first use.
         """
         shape_u = (max_depth + 1, max(1, max_children))
-        shape_e = (max_depth + 1, vocab_size)
         gens = list(generators) if generators is not None else [None] * batch_size
         u = torch.empty((batch_size, *shape_u), dtype=torch.float64, device=device)
-        e = None if lazy else torch.empty((batch_size, *shape_e), dtype=dtype, device=device)
-        free = [b for b, g in enumerate(gens) if g is None]
-        if free:
-            idx = torch.tensor(free, device=device) if len(free) < batch_size else slice(None)
-            # float64 uniforms: an exact 0 is (nearly) impossible, as in vLLM's generate_uniform_probs.
-            u[idx] = torch.rand((len(free), *shape_u), dtype=torch.float64, device=device)
-            if e is not None:
-                e[idx] = exponential((len(free), *shape_e), dtype=dtype, device=device)
-        for b, g in enumerate(gens):
-            if g is not None:
-                u[b] = torch.rand(shape_u, dtype=torch.float64, device=device, generator=g)
-                if e is not None:
-                    e[b] = exponential(shape_e, dtype=dtype, device=device, generator=g)
-        if e is not None:
-            e.clamp_(min=torch.finfo(dtype).tiny)  # E = 0 would turn p = 0 into nan
-        return VerifyCoins(u, e, gens if lazy else None, vocab_size, dtype)
+        # float64 uniforms: an exact 0 is (nearly) impossible, as in vLLM's generate_uniform_probs.
+        _fill_per_stream(u, gens, lambda shape, g: torch.rand(shape, dtype=torch.float64, device=device,
+                                                               generator=g))
+        if lazy:
+            return VerifyCoins(u, None, gens, vocab_size, dtype)
+        e = _exponential_rows(gens, max_depth + 1, vocab_size, dtype, u.device)
+        return VerifyCoins(u, e.view(batch_size, max_depth + 1, vocab_size), None, vocab_size, dtype)
 
     def exponential_at(self, req: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
         """[n, V] exponential rows of the (req[i], depth[i]) pairs; read at most once per pair."""
         if self.exponential is not None:
             return self.exponential[req, depth]
-        device = self.uniform.device
-        out = torch.empty((req.numel(), self.vocab_size), dtype=self.dtype, device=device)
-        reqs = req.tolist()
         gens = self.generators or [None] * self.uniform.shape[0]
-        free = [i for i, b in enumerate(reqs) if gens[b] is None]
-        if free:
-            out[torch.tensor(free, device=device)] = exponential((len(free), self.vocab_size), dtype=self.dtype,
-                                                                 device=device)
-        for i, b in enumerate(reqs):
-            if gens[b] is not None:
-                out[i] = exponential((self.vocab_size,), dtype=self.dtype, device=device, generator=gens[b])
-        return out.clamp_(min=torch.finfo(self.dtype).tiny)
+        return _exponential_rows([gens[b] for b in req.tolist()], 1, self.vocab_size, self.dtype, self.uniform.device)
 
     def for_request(self, b: int) -> "VerifyCoins":
         if self.exponential is None:
             raise ValueError("for_request needs eager coins (VerifyCoins.draw(..., lazy=False))")
         return VerifyCoins(self.uniform[b : b + 1], self.exponential[b : b + 1])
+
+
+def _fill_per_stream(out: torch.Tensor, gens: Sequence[torch.Generator | None], draw) -> torch.Tensor:
+    """out[i] = draw(row shape, gens[i]) for seeded rows; all unseeded rows in one default-RNG call."""
+    free = [i for i, g in enumerate(gens) if g is None]
+    if free:
+        idx = torch.tensor(free, device=out.device) if len(free) < len(gens) else slice(None)
+        out[idx] = draw((len(free), *out.shape[1:]), None)
+    for i, g in enumerate(gens):
+        if g is not None:
+            out[i] = draw(tuple(out.shape[1:]), g)
+    return out
+
+
+def _exponential_rows(gens: Sequence[torch.Generator | None], rows_per_stream: int, vocab_size: int,
+                      dtype: torch.dtype, device) -> torch.Tensor:
+    """[len(gens) * rows_per_stream, V] Exp(1) rows, clamped > 0 (E = 0 would turn p = 0 into nan)."""
+    out = torch.empty((len(gens), rows_per_stream, vocab_size), dtype=dtype, device=device)
+    _fill_per_stream(out, gens, lambda shape, g: exponential(shape, dtype=dtype, device=device, generator=g))
+    return out.view(-1, vocab_size).clamp_(min=torch.finfo(dtype).tiny)
 
 
 def exponential(shape, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",

@@ -20,7 +20,8 @@ Every run sends a disjoint slice of one interleaved prompt pool (ShareGPT chat, 
 CHAMP math chat; serve_datasets.py), greedy by default (temperature 0; --temperature/--top-p/--top-k
 sample, with a per-request seed), the same max_tokens, EOS and each dataset's stop strings. Slices are
 identical across configurations, so greedy outputs are compared prompt by prompt with speculation off
-(sampled runs are lossless in distribution, which the test suite checks; their texts are not compared). One JSON per run under OUT/runs/, then OUT/report.md, OUT/summary.json
+(sampled runs are lossless in distribution, which the test suite checks; their texts are not compared).
+One JSON per run under OUT/runs/, then OUT/report.md, OUT/summary.json
 and PNG plots (serve_report.py). Every run JSON records hardware, versions, date and the command that
 reproduces it.
 
@@ -74,8 +75,7 @@ from serve_datasets import DATASETS, Prompt, build_pool, distribution, extract_c
 
 CONFIG_KINDS = ("off", "linear-suffix", "tree-suffix", "tree-suffix-fallback", "linear-suffix-wide", "tree-suffix-wide",
                 "linear-ngram", "tree-ngram", "tree-ngram-fallback", "linear-draft", "linear-draft-prob",
-                "tree-draft-static",
-                "tree-draft-dynamic", "tree-draft-sampled", "tree-draft-planned")
+                "tree-draft-static", "tree-draft-dynamic", "tree-draft-sampled", "tree-draft-planned")
 WIDE_SUFFIX = {"max_spec_factor": 4.0, "min_token_prob": 0.0}  # lets suffix drafts use the whole budget
 CPU_FIX_ENV = "VLLM_TREE_SPEC_FIX_CPU_EXPAND"  # vllm_tree_spec/integration/vllm_cpu_fixes.py
 STATIC_PROFILE = ([0.6, 0.15, 0.05], 0.9)  # rank acceptance, depth decay: the static tree's design profile
@@ -416,7 +416,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     defaults = dict(configs="off,linear-suffix,tree-suffix", budgets="6", concurrency="1", request_rate="",
                     num_prompts="8", prompts_per_slot=2, max_tokens=128, datasets=",".join(DATASETS), warmup=1,
-                    seed=0, temperature=0.0, max_model_len=2048, server_per="config", timeout=600.0, out="runs/serve/custom")
+                    seed=0, temperature=0.0, max_model_len=2048, server_per="config", timeout=600.0,
+                    out="runs/serve/custom")
     preset = PRESETS.get(args.preset or "", {})
     for k, v in {**defaults, **preset}.items():
         if getattr(args, k, None) in (None, ""):
@@ -507,12 +508,12 @@ def main(argv=None) -> int:
         # Every server of a sampled run gets the fix (it only changes vLLM's linear rejection sampler).
         os.environ[CPU_FIX_ENV] = "1"
     out = Path(args.out)
-    from serve_report import load_runs, run_sampling
+    from serve_report import check_one_sampling, load_runs
 
-    earlier = {json.dumps(run_sampling(r), sort_keys=True) for r in load_runs(out) if r.get("run")}
-    if earlier - {json.dumps(sampling_fields(args), sort_keys=True)}:
-        raise SystemExit(f"{out} holds runs with sampling {sorted(earlier)}, this invocation samples with "
-                         f"{sampling_fields(args)}: use another --out folder (one sampling setting per folder)")
+    earlier = load_runs(out)
+    if earlier and check_one_sampling(earlier) != sampling_fields(args):
+        raise SystemExit(f"{out} holds runs with sampling {check_one_sampling(earlier)}, this invocation samples "
+                         f"with {sampling_fields(args)}: use another --out folder (one sampling setting per folder)")
     (out / "runs").mkdir(parents=True, exist_ok=True)
     log_dir = str(out / "logs")
     pool = build_pool([d.strip() for d in args.datasets.split(",") if d.strip()], seed=args.seed)
@@ -617,7 +618,8 @@ def measure(args, config: Config, run: RunPlan, base: str, server, pool, warm, b
             base, prompts, model, args.max_tokens,
             concurrency=int(run.level) if run.mode == "concurrency" else None,
             rate=run.level if run.mode == "rate" else None, max_in_flight=args.max_in_flight,
-            timeout_s=args.timeout, seed=args.seed, on_done=lambda r: bar.update(1), sampling=sampling_fields(args))
+            timeout_s=args.timeout, seed=args.seed, on_done=lambda r: bar.update(1),
+            sampling=sampling_fields(args))
         wait_idle(base)
         time.sleep(0.3)  # the stat logger publishes on the engine's next stats tick
         after = snapshot(base)
@@ -633,7 +635,7 @@ def measure(args, config: Config, run: RunPlan, base: str, server, pool, warm, b
         "run": {"mode": run.mode, "level": run.level, "key": run.key, "num_prompts": run.num_prompts,
                 "offset": run.offset, "prompt_ids": [p.id for p in prompts], "warmup_ids": [p.id for p in warm],
                 "earlier_runs_on_server": list(history), "max_tokens": args.max_tokens,
-                "sampling": sampling_fields(args), "temperature": args.temperature or 0.0,
+                "sampling": sampling_fields(args),
                 "max_num_seqs": args.max_num_seqs, "server_per": args.server_per,
                 "timeout_s": args.timeout, "loadavg_start": load_start, "loadavg_end": load_end},
         "server": None if server is None else {"command": server.command, "startup_s": server.startup_s,

@@ -35,7 +35,7 @@ def _g(d, *keys):
 
 def run_sampling(run: dict) -> dict:
     """The run's OpenAI sampling fields (runs written before --temperature existed were greedy)."""
-    return run["run"].get("sampling") or {"temperature": run["run"].get("temperature", 0.0)}
+    return run["run"].get("sampling") or {"temperature": 0.0}
 
 
 def is_greedy(run: dict) -> bool:
@@ -80,7 +80,8 @@ def rows(runs: list[dict]) -> list[dict]:
             "e2e_s": [_g(res, "e2e_s", "median"), _g(res, "e2e_s", "p95")],
             "stage_ms_per_step": stage or None, "engine_steps": spec.get("engine_steps"),
             "peak_rss_gib": (mem.get("peak_rss_bytes") or 0) / 2**30 or None,
-            "identical": ident, "sampled": not is_greedy(r), "humaneval": (he.get("passed"), he.get("total")) if he else None,
+            "identical": ident, "sampled": not is_greedy(r),
+            "humaneval": (he.get("passed"), he.get("total")) if he else None,
             "input_tokens": _g(res, "lengths", "input_tokens"), "output_tokens": _g(res, "lengths", "output_tokens"),
         })
     order = {"off": 0, "linear": 1, "tree": 2}

@@ -17,8 +17,7 @@
         Removal: a `_make_model_runner` hook on CPUWorker (GPU's Worker has one; TreeGPUWorker uses it).
     P4  Model-runner method overrides in TreeRunnerMixin (propose_draft_token_ids, _update_states,
         _prepare_inputs, _build_attention_metadata, _sample, initialize_kv_cache, _input_fits_in_drafter),
-        on a subclass used
-        only by tree engines; model-specific adapters hook in there (DeepSeek-V4: integration/dsv4/,
+        on a subclass used only by tree engines; model-specific adapters hook in there (DeepSeek-V4: integration/dsv4/,
         whose own touch points D1-D5 are recorded in its package docstring)
         Why: depth positions, tree masks, tree verification and KV compaction have no upstream hooks.
         Removal: upstream tree speculation (vLLM PR #22752 was the closest; closed).

@@ -12,7 +12,8 @@ the scheduler's rollback and the metrics work unchanged.
   min-p, top-k, top-p, allowed token ids, logit bias; see `sampling.py`);
   the verification mode follows how the children were drafted (greedy for
   temperature-0 requests); coins come from the request's own generator when it
-  is seeded, drawn lazily (exponential rows only at the depths the walk reaches). Parameters that depend on the token history (repetition /
+  is seeded, drawn lazily (exponential rows only at the depths the walk reaches).
+  Parameters that depend on the token history (repetition /
   frequency / presence penalties, bad words, min_tokens) see each row's own
   history: the committed output plus the tokens on the path to that row, through
   vLLM's own penalty and bad-words functions. Grammars and other processors that
