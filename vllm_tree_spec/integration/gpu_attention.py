@@ -116,7 +116,7 @@ def tree_rows_paged(
 class TreePagedAttentionMixin:
     """Mixed in front of vLLM's TritonAttentionImpl / FlashAttentionImpl."""
 
-    tree_aware = True  # asserted by the runner: a missing override must never fall back silently
+    tree_aware = True  # asserted at model load; each tree step also checks that every layer marked itself
     tree_kv_layout = "paged"  # how commit.py moves rows of this cache
 
     def tree_check(self) -> None:
@@ -151,6 +151,7 @@ class TreePagedAttentionMixin:
         tree_rows_paged(step, query, kv_cache, attn_metadata.block_table, output, num_heads=self.num_heads,
                         head_size=self.head_size, scale=self.scale, sliding_window=self._tree_window(),
                         softcap=self.logits_soft_cap or None, sinks=self.sinks)
+        step.mark_applied(getattr(layer, "layer_name", None))  # counted by the runner after the forward
         return output
 
 

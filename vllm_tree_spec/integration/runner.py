@@ -1,4 +1,4 @@
-"""Tree speculation inside vLLM's V1 model runner: four hooks on one step.
+"""Tree speculation inside vLLM's V1 model runner: five hooks on one step.
 
     propose_draft_token_ids   the drafter returns a tree per request; vLLM sees its
                               tokens in topological order (the scheduler may keep a
@@ -7,6 +7,8 @@
                               positions to root + depth and record the step's trees
     _build_attention_metadata attach the step's trees to every layer's metadata so
                               the attention override applies the tree mask
+    _model_forward            after the forward of a tree step, check that every attention
+                              layer applied the tree mask (`TreeStep.check_applied`)
     _sample                   tree verification instead of the chain rejection sampler,
                               then commit: the accepted path's KV moves to rows 1..a,
                               so the scheduler's rollback sees an ordinary chain
@@ -78,7 +80,21 @@ class TreeRunnerMixin:
     def tree_check_attention(self) -> None:
         """Refuse to run if any attention layer is not tree-aware (no silent causal fallback)."""
         from vllm.model_executor.layers.attention import Attention
+        from vllm.model_executor.layers.mamba.abstract import MambaBase
+        from vllm.v1.attention.backend import AttentionType
 
+        ctx = self.compilation_config.static_forward_context
+        # the start-up gates refuse these from the model config; this catches models that do not declare them
+        mamba = [name for name, layer in ctx.items() if isinstance(layer, MambaBase)]
+        if mamba:
+            raise RuntimeError(f"tree speculation does not support hybrid / Mamba layers ({len(mamba)} layers, e.g. "
+                               f"{mamba[0]}); serve this model without --speculative-config")
+        cross = [name for name, layer in ctx.items()
+                 if isinstance(layer, Attention) and layer.attn_type != AttentionType.DECODER]
+        if cross:
+            raise RuntimeError(
+                f"tree speculation masks decoder self-attention only; {cross[0]} is {ctx[cross[0]].attn_type} "
+                f"attention: serve this model without --speculative-config")
         bad = [name for name, layer in self.compilation_config.static_forward_context.items()
                if isinstance(layer, Attention) and not getattr(layer.impl, "tree_aware", False)]
         if bad:
@@ -187,7 +203,10 @@ class TreeRunnerMixin:
             self._tree_set_positions(root_row, root_pos, tree)
             slots = {gid: sm[root_row: root_row + n + 1] for gid, sm in enumerate(mappings)}
             q = dt.draft_probs[: n + 1] if dt.draft_probs is not None else None
-            reqs.append(TreeRequestStep(rid, idx, root_row, root_pos, tree, Mode(dt.mode), q, slots))
+            mode = Mode(dt.mode)
+            if mode != Mode.GREEDY:  # the user's `verification` rule (lossless for this drafting: config.py)
+                mode = Mode.parse(self.tree_cfg.verification_for(mode.name.lower()))
+            reqs.append(TreeRequestStep(rid, idx, root_row, root_pos, tree, mode, q, slots))
         return TreeStep(reqs)
 
     def _tree_set_positions(self, root_row: int, root_pos: int, tree) -> None:
@@ -208,6 +227,12 @@ class TreeRunnerMixin:
         if step and on_metadata is not None:
             on_metadata(self, step, attn_metadata)
         return attn_metadata, common
+
+    def _model_forward(self, *args, **kwargs):
+        out = super()._model_forward(*args, **kwargs)
+        if self._tree_step:  # no silent causal fallback: every layer that must apply the mask did
+            self._tree_step.check_applied(self.tree_adapter.tree_layers(self))
+        return out
 
     # -- hook 4: verify + commit ----------------------------------------------------------------
 

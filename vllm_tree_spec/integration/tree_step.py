@@ -7,6 +7,12 @@ position (root + depth) and a tree mask. Flattened token rows of request b:
 
     root_row        the root (last sampled token), position root_pos
     root_row + 1 + i   draft node i, position root_pos + depth[i], slot row_slots[1 + i]
+
+No silent causal fallback: every attention override that applies the tree mask
+records its layer in the step (`mark_applied`), and after the forward the runner
+checks that every layer that must apply it did (`check_applied`). A layer whose
+metadata lost the step would otherwise give draft rows plain causal attention:
+wrong logits for every node that is not on a chain, with no error.
 """
 
 from __future__ import annotations
@@ -57,9 +63,24 @@ class TreeStep:
     """All tree requests of one forward, in batch order."""
 
     requests: list[TreeRequestStep]
+    applied: set = field(default_factory=set)  # names of the layers that applied the tree mask this step
 
     def __bool__(self) -> bool:
         return bool(self.requests)
 
     def by_index(self) -> dict[int, TreeRequestStep]:
         return {r.req_index: r for r in self.requests}
+
+    def mark_applied(self, layer_name) -> None:
+        """Called by an attention override after it recomputed this step's draft rows with the tree mask."""
+        self.applied.add(layer_name)
+
+    def check_applied(self, expected: set) -> None:
+        """Fail loudly if a layer that must apply the tree mask did not (its draft rows would be causal)."""
+        missing = expected - self.applied
+        if missing:
+            first = sorted(map(str, missing))[0]
+            raise RuntimeError(
+                f"tree step with {len(self.requests)} trees: {len(missing)} of {len(expected)} attention layers "
+                f"(e.g. {first}) did not apply the tree mask, so their draft rows saw plain causal attention; "
+                f"refusing to verify (an attention override is missing or lost the step's metadata)")

@@ -3,6 +3,7 @@
 Hooks (called by `TreeRunnerMixin`, see runner.py):
 
     check(runner)                 after model load: CPU DeepSeek-V4 only; bind the layer overrides (patches.py)
+    tree_layers(runner)           the attention layers that must mark the step as tree-masked (runner check)
     kv_cache_config(runner, cfg)  before KV cache allocation: reserve scratch blocks (layout.py)
     on_kv_cache(runner)           after allocation: find the caches by role; fix the tile scheduler (D3)
     on_metadata(runner, step, md) after vLLM built the step's metadata: build the plan (plan.py), send tree
@@ -52,6 +53,7 @@ class DeepseekV4TreeAdapter:
         self.entries_per_block: dict[int, int] = {}
         self.ratios: list[int] = []
         self.index_topk = 0
+        self.layer_names: set[str] = set()  # attention layers that apply the tree plan (patches.py)
         self.stats = {"steps": 0, "refresh_rows": 0, "refresh_c4": 0, "refresh_c128": 0, "refresh_skipped": 0,
                       "refresh_s": 0.0, "plan_s": 0.0, "scratch_blocks_peak": 0, "virtual_pages": 0}
 
@@ -66,7 +68,8 @@ class DeepseekV4TreeAdapter:
         self.index_topk = int(getattr(hf, "index_topk", 0) or 0)
         cpu_kernels.install()  # D5
         counts = patches.patch_model(runner.model)
-        if counts["attention"] == 0:
+        self.layer_names = patches.attention_layer_names(runner.model)
+        if counts["attention"] == 0 or not self.layer_names:
             raise RuntimeError(
                 f"{type(runner.model).__name__}: no DeepSeek-V4 CPU attention layers found; the tree adapter "
                 f"supports vLLM 0.32's CPU DeepSeek-V4 model only")
@@ -130,6 +133,11 @@ class DeepseekV4TreeAdapter:
             raise RuntimeError("DeepSeek-V4 tree adapter: compressed entries live in more than one cache group")
         self.entry_group = gid
         self.entries_per_block[ratio] = group.kv_cache_spec.block_size // ratio
+
+    def tree_layers(self, runner) -> set[str]:
+        """Every patched attention layer must apply the step's plan. Without a plan (isolation off: the
+        negative control, the stock path with tree positions) no layer can, and none is expected to."""
+        return self.layer_names if self.plan is not None else set()
 
     # -- a verify step -------------------------------------------------------------------------------
 

@@ -100,6 +100,9 @@ def tree_forward_mqa(self, q: torch.Tensor, kv: torch.Tensor, positions: torch.T
     torch.ops._C.flash_mla_with_kvcache_cpu(
         output, q, window_cache_2d, window_slots, swa_metadata.block_size, compressed_cache_2d,
         compressed_slots, compressed_block_size, self.attn_sink, self.scale)
+    step = getattr(swa_metadata, "tree_step", None)
+    if step is not None:
+        step.mark_applied(self.prefix)  # counted by the runner after the forward (no silent fallback)
 
 
 # ---------------------------------------------------------------------------
@@ -201,6 +204,13 @@ def patch_model(model) -> dict[str, int]:
             continue
         setattr(mod, _FLAG, True)
     return counts
+
+
+def attention_layer_names(model) -> set[str]:
+    """The DeepSeek-V4 CPU attention layers of `model` (each must apply a tree step's plan)."""
+    from vllm.models.deepseek_v4.cpu.cpu_sparse import DeepseekV4CPUAttention
+
+    return {mod.prefix for mod in model.modules() if isinstance(mod, DeepseekV4CPUAttention)}
 
 
 def patch_builders(runner) -> int:
