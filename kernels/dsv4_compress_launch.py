@@ -2,7 +2,7 @@
 
 Kernel in `dsv4_compress.py`; Triton is imported lazily inside the launcher.
 
-What it computes (`vllm_tree_spec.reference.dsv4.Compressor.pool`, deepseek-v4-attention.md §2).
+What it computes (`vllm_tree_spec.reference.dsv4.Compressor.pool`, docs/reference-model.md).
 For every row r with (t + 1) % m == 0 (t = positions[r]) and write_slots[r] != -1,
 with window slots s_i = gather[r, i], i = 0..coff*m-1 (oldest first, -1 = masked):
 

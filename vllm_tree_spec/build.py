@@ -7,7 +7,7 @@ and, when asked for, the q rows the children were drawn from. Rows follow
 tree.py: row 0 is the root (the last committed token), row i + 1 is node i.
 
 How children are produced decides which lossless rule may verify them
-(tree-verification.md §2-4), so every `DraftTree` records it:
+(`verify.py`, README "Lossless guarantees"), so every `DraftTree` records it:
 
     builder                      children                        verification rule
     expand_static                top-k ranks of q (deterministic)  q := 1 (sample-and-match)
@@ -16,7 +16,8 @@ How children are produced decides which lossless rule may verify them
     sample_children(w/o repl.)   draws without replacement         RRS without replacement, q renormalised
 
 Using the real q in min(1, p / q) for deterministic top-k children is lossy
-(TV ~ 0.7 in the enumeration of §0); that is why the top-k builders return q
+(an exact enumeration finds TV ~ 0.7; tests/test_verify_exact.py flags
+such rules); that is why the top-k builders return q
 only on request.
 
 Draft access is batched per tree level: a builder issues one `DraftFn` call

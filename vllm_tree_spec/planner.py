@@ -11,7 +11,7 @@ per-request token rate, and the batch's tokens/s, improve by
 
     gain = (E / step_ms) / (1 / baseline_ms) = E * baseline_ms / step_ms
 
-Chains (Leviathan et al., tree-verification.md §10) with i.i.d. acceptance
+Chains (Leviathan et al., arXiv 2211.17192) with i.i.d. acceptance
 alpha and gamma drafts emit E[N] = 1 + alpha + ... + alpha^gamma per step;
 `plan_chain` evaluates that formula with fixed stage costs.
 

@@ -1,6 +1,6 @@
 """vLLM engine tests on CPU: tiny local checkpoints, in-process engines.
 
-Environment (set before vLLM is imported; see notes/cpu-test-recipe.md):
+Environment (set before vLLM is imported):
 in-process engines start in ~3 s instead of ~17 s, one OpenMP thread keeps
 timings stable, and a 1 GiB KV cache keeps start-up fast.
 """

@@ -192,11 +192,16 @@ def test_mixin_forward_recomputes_only_tree_rows_with_vllm_window_convention():
     kv = paged_cache(case.gen, case.num_blocks, case.block_size, case.hkv, case.d, True)
     out = torch.empty_like(case.query)
     md = SimpleNamespace(tree_step=case.step, block_table=case.block_table)
-    impl.forward(None, case.query, None, None, kv, md, out)
+    layer = SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
+    impl.forward(layer, case.query, None, None, kv, md, out)
     check_rows(case, kv, out, scale=0.25, window=6)
+    assert case.step.applied == {layer.layer_name}  # counted by the runner's per-step check
+    case.step.check_applied({layer.layer_name})
+    with pytest.raises(RuntimeError, match="1 of 2 attention layers"):
+        case.step.check_applied({layer.layer_name, "model.layers.1.self_attn.attn"})
     md.tree_step = TreeStep([])  # a step without trees: the stock output, untouched
-    impl.forward(None, case.query, None, None, kv, md, out)
-    assert torch.all(out == SENTINEL)
+    impl.forward(layer, case.query, None, None, kv, md, out)
+    assert torch.all(out == SENTINEL) and not md.tree_step.applied
 
 
 def _impl(cls, **kw):

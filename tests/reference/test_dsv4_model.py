@@ -75,7 +75,7 @@ def test_topk_ties_go_to_older_entries_and_invalid_are_not_picked():
 
 
 # ---------------------------------------------------------------------------
-# The equations of deepseek-v4-attention.md §2, written out token by token
+# The equations of docs/reference-model.md, written out token by token
 
 
 def test_compressed_entries_follow_the_equations(cfg, model):

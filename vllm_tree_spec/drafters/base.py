@@ -1,7 +1,7 @@
 """The tree-drafter interface: what the vLLM integration and every drafter agree on.
 
 A *tree drafter* proposes one draft tree per request per decoding step. p is
-the target's distribution, q the draft's (tree-verification.md). The
+the target's distribution, q the draft's (README, "Lossless guarantees"). The
 integration layer drives a drafter through three calls that mirror a vLLM
 request's life:
 
@@ -19,7 +19,7 @@ fails loudly. The budget is the most draft nodes the target may verify for
 that request this step (0 = no speculation: an empty tree).
 
 What a proposal must say is *how its children were chosen*, because that
-decides which lossless verification rule applies (tree-verification.md §2-4):
+decides which lossless verification rule applies (`verify.py`; exact-law checks in tests/test_verify_exact.py):
 
     children chosen by                      mode                          draft_probs
     rank / count (top-k, n-gram, suffix)    DETERMINISTIC                 None (q := 1)
@@ -151,7 +151,7 @@ class TreeProposal:
         if self.scores is not None and tuple(self.scores.shape) != (n,):
             raise DrafterError(f"scores has shape {tuple(self.scores.shape)}; expected [N] = [{n}]")
         if self.mode != Mode.SAMPLED:
-            # Only i.i.d. children may repeat a token (each copy is tested in turn, §3).
+            # Only i.i.d. children may repeat a token (the sampled rule tests each copy in turn).
             dups = tree.duplicate_siblings()
             if dups:
                 i, j = dups[0]

@@ -10,9 +10,10 @@ continuations: `token_ids`, `parents` (-1 = child of the root), `probs`
 continuations) and a `score`. vLLM 0.32 only uses it as a chain.
 
 The children come from counts, not from sampling a distribution, so the tree
-is verified with the deterministic rule (q := 1, sample-and-match;
-tree-verification.md §2 and the Arctic Inference addendum). Feeding `probs`
-into min(1, p / q) would be lossy, so no q is returned.
+is verified with the deterministic rule (q := 1, sample-and-match: one draw
+y ~ p per visited node, accept the child equal to y; `verify.py`, README
+"Lossless guarantees"). Feeding `probs` into min(1, p / q) would be lossy, so
+no q is returned.
 
 What this adapter adds on top of the library:
 

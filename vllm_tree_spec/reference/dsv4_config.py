@@ -31,7 +31,7 @@ LayerKind = Literal["swa", "csa", "hca"]
 class DSV4Config:
     """Attention-relevant DeepSeek-V4 fields; defaults are the tiny test model.
 
-    The tiny defaults follow deepseek-v4-attention.md §7: layers [SWA, CSA, HCA,
+    The tiny defaults (docs/reference-model.md): layers [SWA, CSA, HCA,
     CSA], window 8, CSA m = 4, HCA m' = 8 (so depth-8 trees cross HCA
     boundaries), and an indexer top-k of 2 so top-k really selects once a
     request holds more than 2 CSA entries (8 tokens).
@@ -110,7 +110,7 @@ class DSV4Config:
 
     @classmethod
     def deepseek_v4_flash(cls) -> "DSV4Config":
-        """DeepSeek-V4-Flash attention geometry (public config values, deepseek-v4-attention.md §1).
+        """DeepSeek-V4-Flash attention geometry (the public DeepSeek-V4-Flash config.json values).
 
         43 layers: 2 SWA-only, 21 CSA (m = 4), 20 HCA (m' = 128); the 44th ratio
         belongs to the MTP layer. MoE/mHC fields are not modelled, so

@@ -14,7 +14,7 @@ tokens:
                                root + accepted tokens as a chain (one more forward)
 
 The correction/bonus token returned by verification is *not* committed: it
-is the next step's root (tree-verification.md §7 item 9).
+is the next step's root (its KV is computed by the next forward, as in vLLM).
 
 After `commit`, the cache equals what sequential decoding of root + accepted
 path produces, buffer by buffer:

