@@ -157,3 +157,32 @@ def test_every_layer_applies_the_tree_mask_in_every_tree_step(model, monkeypatch
     run = run_engine(model, prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), TREE)
     assert run.tree_stats["rounds"] > 0
     assert len(seen) >= run.tree_stats["rounds"] / 2 and set(seen) == {(2, 2)}, seen
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("rule,mode", [("auto", "SAMPLED_WITHOUT_REPLACEMENT"), ("deterministic", "DETERMINISTIC")])
+def test_verification_key_picks_the_rule(model, monkeypatch, rule, mode):
+    """`verification` is honoured: sampled requests' trees are verified with the rule the user picked
+    (draws without replacement admit both), temperature-0 requests greedily whatever the rule."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_tree_spec.integration import runner as runner_mod
+    from vllm_tree_spec.verify import Mode
+
+    seen = []
+    tree_sample = runner_mod.tree_sample
+
+    def record(runner, logits, spec_meta, step):
+        seen.extend((runner.requests[r.req_id].sampling_params.temperature > 0, r.mode) for r in step.requests)
+        return tree_sample(runner, logits, spec_meta, step)
+
+    monkeypatch.setattr(runner_mod, "tree_sample", record)
+    spec = {"method": "tree", "drafter": "draft_model", "model": model, "tree": "[(0,), (1,), (0, 0)]",
+            "draft_sampling": "sample_without_replacement", "seed": 0, "verification": rule}
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(3, VOCAB, seed=2)]
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=16, ignore_eos=True) for i in range(2)] + \
+        [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)]
+    run = run_engine(model, prompts, params, spec)
+    assert all(len(o) == 16 for o in run.outputs) and run.tree_stats["rounds"] > 0
+    assert set(seen) == {(True, Mode[mode]), (False, Mode.GREEDY)}, seen
