@@ -7,6 +7,8 @@ pytest.importorskip("vllm", reason="the guard inspects the installed vLLM")
 from vllm_tree_spec.config import TreeSpecError  # noqa: E402
 from vllm_tree_spec.integration import vllm_guard  # noqa: E402
 
+pytestmark = pytest.mark.vllm
+
 PLATFORMS = [("cpu", False), ("cpu", True), ("cuda", False)]
 
 

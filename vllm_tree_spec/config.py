@@ -19,6 +19,8 @@ Keys (see README for the table):
     budgets            {"batch size": max nodes}: the node budget for batches up to that size
                        (a budget of 0 switches speculation off at that size)
     suffix / ngram knobs: max_spec_factor, min_token_prob, prompt_lookup_min, prompt_lookup_max
+                       (a knob of another drafter is refused rather than ignored)
+    seed               draft_model with draft_sampling != "topk": seed of the draft's own sampling
 """
 
 from __future__ import annotations
@@ -70,7 +72,9 @@ class TreeSpecConfig(BaseModel):
         "only use its node count; default: 's3_k2_d6', or num_speculative_tokens nodes for suffix/ngram.")
     dynamic: bool | None = Field(None, description="EAGLE-2 rerank (draft_model with a shape).")
     num_speculative_tokens: int | None = Field(None, gt=0, description="Draft slots per request.")
-    verification: Literal["auto", "greedy", "deterministic", "sampled", "sampled_without_replacement"] = "auto"
+    verification: Literal["auto", "greedy", "deterministic", "sampled", "sampled_without_replacement"] = Field(
+        "auto", description="The lossless rule: 'auto' or one of LOSSLESS_RULES[how children are drafted] "
+        "('greedy' is refused: temperature-0 requests are verified greedily anyway).")
     draft_sampling: Literal["topk", "sample", "sample_without_replacement"] = "topk"
     budgets: dict[int, int] | None = Field(None, description="Max draft nodes per batch-size bucket.")
     max_spec_factor: float = Field(1.0, gt=0, description="Suffix drafter: tokens per matched token.")

@@ -69,6 +69,18 @@ def test_untested_vllm_is_refused_unless_allowed(model, monkeypatch):
 
 
 @pytest.mark.vllm
+def test_other_engines_are_untouched_by_the_guard(model, monkeypatch):
+    """The guard applies to tree configs only: no speculation and vLLM's own methods pass on any version."""
+    import vllm
+
+    monkeypatch.delenv("VLLM_TREE_SPEC_ALLOW_UNTESTED_VLLM", raising=False)
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    assert _route(model, None) is None
+    spec = _route(model, {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert spec.method == "ngram"
+
+
+@pytest.mark.vllm
 def test_resigned_vllm_method_is_refused_at_start(model, monkeypatch):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -186,3 +198,46 @@ def test_verification_key_picks_the_rule(model, monkeypatch, rule, mode):
     run = run_engine(model, prompts, params, spec)
     assert all(len(o) == 16 for o in run.outputs) and run.tree_stats["rounds"] > 0
     assert set(seen) == {(True, Mode[mode]), (False, Mode.GREEDY)}, seen
+
+
+def _runner_with_layers(layers: dict):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(compilation_config=SimpleNamespace(static_forward_context=layers))
+
+
+def _attention(attn_type: str, tree_aware: bool = True):
+    from types import SimpleNamespace
+
+    import torch
+    from vllm.model_executor.layers.attention import Attention
+
+    layer = Attention.__new__(Attention)  # no vLLM config needed: the check reads two attributes
+    torch.nn.Module.__init__(layer)
+    layer.attn_type = attn_type
+    layer.impl = SimpleNamespace(tree_aware=tree_aware)
+    return layer
+
+
+@pytest.mark.vllm
+def test_model_load_refuses_mamba_and_cross_attention_layers():
+    """Second line of defence after the config gates: the layers the model actually built."""
+    from vllm.model_executor.layers.mamba.abstract import MambaBase
+    from vllm.v1.attention.backend import AttentionType
+
+    from vllm_tree_spec.integration.runner import TreeRunnerMixin
+
+    class FakeMamba(MambaBase):
+        pass
+
+    FakeMamba.__abstractmethods__ = frozenset()
+    ok = {"model.layers.0.self_attn.attn": _attention(AttentionType.DECODER)}
+    TreeRunnerMixin.tree_check_attention(_runner_with_layers(ok))
+    with pytest.raises(RuntimeError, match="hybrid / Mamba layers.*model.layers.1.mixer"):
+        TreeRunnerMixin.tree_check_attention(_runner_with_layers({**ok, "model.layers.1.mixer": FakeMamba()}))
+    cross = {**ok, "model.layers.0.encoder_attn.attn": _attention(AttentionType.ENCODER_DECODER)}
+    with pytest.raises(RuntimeError, match="decoder self-attention only; model.layers.0.encoder_attn.attn"):
+        TreeRunnerMixin.tree_check_attention(_runner_with_layers(cross))
+    causal = {**ok, "model.layers.1.self_attn.attn": _attention(AttentionType.DECODER, tree_aware=False)}
+    with pytest.raises(RuntimeError, match="tree-aware attention in every layer"):
+        TreeRunnerMixin.tree_check_attention(_runner_with_layers(causal))

@@ -33,26 +33,26 @@ def _check_supported(cfg, model_config, parallel_config, engine_args=None) -> No
     """Refuse, at start-up, combinations that cannot be verified losslessly."""
     from vllm.platforms import current_platform
 
-    arch = (getattr(model_config.hf_config, "architectures", None) or [""])[0] or "this model"
+    hf = model_config.hf_config
+    name = (getattr(hf, "architectures", None) or [""])[0] or "this model"
     if getattr(model_config, "is_hybrid", False) or getattr(model_config, "has_inner_state", False) or \
             getattr(model_config, "is_attention_free", False):
         # a recurrent state per request advances token by token: a tree would need one state per branch
         raise TreeSpecError(
-            f"tree speculation does not support hybrid / Mamba (state-space) models ({arch} keeps a recurrent "
+            f"tree speculation does not support hybrid / Mamba (state-space) models ({name} keeps a recurrent "
             f"state per request that the tree's branches would share); serve it without --speculative-config "
             f"or with vLLM's own speculative methods")
-    hf = model_config.hf_config
     if getattr(model_config, "is_encoder_decoder", False) or getattr(hf, "cross_attention_layers", None):
         raise TreeSpecError(
-            f"tree speculation does not support encoder-decoder / cross-attention models ({arch}); the tree mask "
+            f"tree speculation does not support encoder-decoder / cross-attention models ({name}); the tree mask "
             f"covers decoder self-attention only: serve it without --speculative-config")
     kv_transfer = getattr(engine_args, "kv_transfer_config", None)
     if kv_transfer is not None:
         # connectors save / load KV blocks by the scheduler's token count; the tree's draft rows are scratch
-        name = kv_transfer.get("kv_connector") if isinstance(kv_transfer, dict) else \
+        connector = kv_transfer.get("kv_connector") if isinstance(kv_transfer, dict) else \
             getattr(kv_transfer, "kv_connector", None)
         raise TreeSpecError(
-            f"tree speculation does not support KV connectors (kv_transfer_config, connector {name}): the draft "
+            f"tree speculation does not support KV connectors (kv_transfer_config, connector {connector}): the draft "
             f"rows are scratch KV that a connector would save or load as committed; remove --kv-transfer-config")
     if getattr(parallel_config, "enable_dbo", False) or getattr(engine_args, "enable_dbo", False) or \
             getattr(parallel_config, "ubatch_size", 0) > 1:

@@ -1,4 +1,4 @@
-"""Tree speculation inside vLLM's V1 model runner: five hooks on one step.
+"""Tree speculation inside vLLM's V1 model runner: four hooks on one step, and a check.
 
     propose_draft_token_ids   the drafter returns a tree per request; vLLM sees its
                               tokens in topological order (the scheduler may keep a
@@ -7,8 +7,8 @@
                               positions to root + depth and record the step's trees
     _build_attention_metadata attach the step's trees to every layer's metadata so
                               the attention override applies the tree mask
-    _model_forward            after the forward of a tree step, check that every attention
-                              layer applied the tree mask (`TreeStep.check_applied`)
+    _model_forward            (the check) after the forward of a tree step, every attention
+                              layer must have applied the tree mask (`TreeStep.check_applied`)
     _sample                   tree verification instead of the chain rejection sampler,
                               then commit: the accepted path's KV moves to rows 1..a,
                               so the scheduler's rollback sees an ordinary chain
@@ -95,15 +95,15 @@ class TreeRunnerMixin:
             raise RuntimeError(
                 f"tree speculation masks decoder self-attention only; {cross[0]} is {ctx[cross[0]].attn_type} "
                 f"attention: serve this model without --speculative-config")
-        bad = [name for name, layer in self.compilation_config.static_forward_context.items()
+        bad = [name for name, layer in ctx.items()
                if isinstance(layer, Attention) and not getattr(layer.impl, "tree_aware", False)]
         if bad:
             raise RuntimeError(
                 f"tree speculation needs tree-aware attention in every layer, but {len(bad)} layers "
-                f"(e.g. {bad[0]}) use {type(self.compilation_config.static_forward_context[bad[0]].impl).__name__}; "
+                f"(e.g. {bad[0]}) use {type(ctx[bad[0]].impl).__name__}; "
                 f"this model/attention backend is not supported by vllm-tree-spec (GPU: use "
                 f"--attention-backend FLASH_ATTN or TRITON_ATTN)")
-        for layer in self.compilation_config.static_forward_context.values():
+        for layer in ctx.values():
             if isinstance(layer, Attention) and hasattr(layer.impl, "tree_check"):
                 layer.impl.tree_check()  # per-layer features the tree kernel cannot compute
 
@@ -227,6 +227,8 @@ class TreeRunnerMixin:
         if step and on_metadata is not None:
             on_metadata(self, step, attn_metadata)
         return attn_metadata, common
+
+    # -- hook 3b: every layer applied the mask -------------------------------------------------
 
     def _model_forward(self, *args, **kwargs):
         out = super()._model_forward(*args, **kwargs)
