@@ -43,7 +43,11 @@ def install_if_requested() -> bool:
         from vllm.utils import cpu_triton_utils
     except ImportError:  # not a CPU build
         return False
-    if not hasattr(cpu_triton_utils, "_expand_kernel_impl"):
+    if not hasattr(cpu_triton_utils, "_expand_kernel_impl"):  # moved or renamed upstream: say so
+        from vllm.logger import init_logger
+
+        init_logger(__name__).warning("%s=1, but this vLLM has no cpu_triton_utils._expand_kernel_impl; the "
+                                      "fix is not applied (check whether the upstream bug is still there)", ENV)
         return False
     old = cpu_triton_utils._expand_kernel_impl
     cpu_triton_utils._expand_kernel_impl = expand_kernel_impl
