@@ -84,9 +84,10 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         "self", "num_decode_tokens"),
 }
 
-# Module attributes we rebind or read (P2 registry, P3, D5): existence only.
+# Module attributes we rebind or rely on (P1 route, P2 registry, P3, D5): existence only.
 ATTRIBUTES: dict[str, tuple[str, ...]] = {
     "common": (
+        "vllm.v1.spec_decode.custom_class_proposer.create_custom_proposer",  # P1 hands vLLM a custom_class
         "vllm.v1.attention.backends.registry._ATTN_OVERRIDES",
         "vllm.v1.attention.backends.registry.register_backend",
         "vllm.v1.attention.backends.registry.AttentionBackendEnum",
