@@ -105,8 +105,8 @@ class TreeSpecConfig(BaseModel):
         if self.drafter == "draft_model" and not self.model:
             raise ValueError("key 'model' is required for drafter 'draft_model': pass the draft model's path")
         if self.drafter != "draft_model" and self.model:
-            raise ValueError(f"key 'model' is not used by drafter {self.drafter!r}; remove it"
-                             + (" (the MTP head is read from the target's checkpoint)" if self.drafter == "mtp" else ""))
+            why = " (the MTP head is read from the target's checkpoint)" if self.drafter == "mtp" else ""
+            raise ValueError(f"key 'model' is not used by drafter {self.drafter!r}; remove it{why}")
         for key, drafters in DRAFTER_KEYS.items():  # knobs of another drafter would be ignored silently
             if self.drafter not in drafters and getattr(self, key) != type(self).model_fields[key].default:
                 raise ValueError(f"key {key!r} applies to drafter {' / '.join(map(repr, drafters))} only, not "

@@ -90,7 +90,8 @@ def prepare_engines() -> None:
     from vllm_tree_spec.integration import install
     from vllm_tree_spec.integration.dsv4 import cpu_kernels
 
-    # several engines in one process: vLLM's CPU kernel-override registration must run once (as in tests/fixtures/vllm_cpu.py)
+    # several engines in one process: vLLM's CPU kernel-override registration must run once
+    # (as in tests/fixtures/vllm_cpu.py)
     orig = CpuPlatform.register_triton_kernel_overrides.__func__
     if not getattr(orig, "_once", False):
         done = [False]

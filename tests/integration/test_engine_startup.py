@@ -110,7 +110,8 @@ def test_dual_batch_overlap_is_refused(model):
 def test_mamba_model_is_refused(tmp_path):
     import transformers
 
-    transformers.MambaConfig(vocab_size=256, hidden_size=16, num_hidden_layers=1, state_size=4).save_pretrained(tmp_path)
+    cfg = transformers.MambaConfig(vocab_size=256, hidden_size=16, num_hidden_layers=1, state_size=4)
+    cfg.save_pretrained(tmp_path)
     with pytest.raises(TreeSpecError, match="hybrid / Mamba.*without --speculative-config"):
         _route(tmp_path, TREE, skip_tokenizer_init=True)
 
@@ -119,9 +120,11 @@ def test_mamba_model_is_refused(tmp_path):
 def test_encoder_decoder_model_is_refused(tmp_path):
     import transformers
 
-    transformers.WhisperConfig(vocab_size=256, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
-                               decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, max_source_positions=16,
-                               max_target_positions=64).save_pretrained(tmp_path)
+    cfg = transformers.WhisperConfig(
+        vocab_size=256, d_model=16, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+        decoder_attention_heads=2, encoder_ffn_dim=16, decoder_ffn_dim=16, max_source_positions=16,
+        max_target_positions=64)
+    cfg.save_pretrained(tmp_path)
     with pytest.raises(TreeSpecError, match="encoder-decoder / cross-attention.*without --speculative-config"):
         _route(tmp_path, TREE, skip_tokenizer_init=True)
 
