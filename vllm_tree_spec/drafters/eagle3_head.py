@@ -310,6 +310,10 @@ def load_head(path: str | Path, *, target_embedding: torch.Tensor | None = None,
     if "embed_tokens.weight" not in state:
         if target_embedding is None:
             raise DrafterError(f"EAGLE-3 head {path} has no embed_tokens and no target embedding was given")
+        if tuple(target_embedding.shape) != (cfg.vocab, cfg.hidden):
+            raise DrafterError(f"EAGLE-3 head {path} shares the target's embedding, but it has shape "
+                               f"{tuple(target_embedding.shape)}, not [vocab {cfg.vocab}, hidden {cfg.hidden}] "
+                               f"(a tensor-parallel shard?); run the eagle3 tree drafter with TP = 1")
         state["embed_tokens.weight"] = target_embedding.detach().to("cpu")
     if "d2t" not in state and cfg.draft_vocab != cfg.vocab:
         raise DrafterError(f"EAGLE-3 head {path}: draft_vocab_size {cfg.draft_vocab} != vocab_size {cfg.vocab} "
