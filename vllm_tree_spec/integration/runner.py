@@ -16,7 +16,8 @@
 Adapters (adapters.py) may also hook `initialize_kv_cache` (reserve cache blocks the
 scheduler never hands out) and `on_metadata` (edit a tree step's metadata after vLLM
 built it); drafters that read the target's hidden states get `observe_target(req_ids,
-rows, positions)` with the rows each request committed this step.
+rows, positions, aux_hidden_states)` with the rows each request committed this step
+(and, for EAGLE-3, the target's auxiliary hidden states: see eagle3_aux.py).
 
 One token's journey: drafted as node i (slot root + 1 + i, position root +
 depth_i) -> attends to the prefix and its ancestors -> accepted at depth k ->
@@ -51,6 +52,7 @@ class TreeRunnerMixin:
 
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
+        self.drafter.setup_runner(self)  # e.g. EAGLE-3: make the target return its aux hidden states (P7)
         self.tree_adapter = select_adapter(self)
         self.tree_adapter.check(self)
 
@@ -131,11 +133,12 @@ class TreeRunnerMixin:
             requests.append(self.drafter.make_request(rid, self.input_batch.token_ids_cpu[i, :n_tok], state))
             budgets.append(max(0, nodes))
         observe = getattr(self.drafter, "observe_target", None)
-        if observe is not None:  # drafters fed by the target's hidden states (DeepSeek-V4 MTP)
+        if observe is not None:  # drafters fed by the target's hidden states (DeepSeek-V4 MTP, EAGLE-3)
             qsl = self.query_start_loc.np
             rows = [self._tree_committed.get(rid) if rid in self._tree_committed
                     else list(range(int(qsl[i]), int(qsl[i + 1]))) for i, rid in enumerate(req_ids)]
-            observe(req_ids, rows, self.positions)
+            aux = args[3] if len(args) > 3 else kwargs.get("aux_hidden_states")  # vLLM's 6th argument
+            observe(req_ids, rows, self.positions, aux)
         trees = self.drafter.propose_trees(requests, budgets)
         drafts: list[list[int]] = []
         self._tree_drafts = {}

@@ -1,0 +1,229 @@
+"""The EAGLE-3 tree drafter on its own: the checkpoint vLLM loads, the path invariant, committed-KV catch-up.
+
+Tiny random target (tests/fixtures/tiny_models.py) and a tiny random head in vLLM's EAGLE-3 layouts
+(tests/fixtures/tiny_eagle3.py). The target's auxiliary hidden states are computed here with
+transformers (aux layer k = the input of decoder layer k, k = num_layers: the last layer's output
+before the final norm, as in vLLM's `_maybe_add_hidden_state`).
+"""
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="the EAGLE-3 head reads its config with vLLM's parser and uses vLLM's RoPE")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from tiny_eagle3 import make_tiny_eagle3  # noqa: E402
+
+from vllm_tree_spec.drafters.base import DraftRequest  # noqa: E402
+from vllm_tree_spec.drafters.eagle3 import Eagle3TreeDrafter  # noqa: E402
+from vllm_tree_spec.drafters.eagle3_head import load_head  # noqa: E402
+from vllm_tree_spec.drafters.policy import DynamicPolicy, SampledPolicy, StaticPolicy  # noqa: E402
+from vllm_tree_spec.tree import Tree, TreeShape  # noqa: E402
+from vllm_tree_spec.verify import Mode  # noqa: E402
+
+VOCAB = 2048
+AUX = (0, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    target_dir = tiny_models.llama(vocab_size=VOCAB, num_layers=2, seed=0, initializer_range=0.08)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    heads = {layout: make_tiny_eagle3(tiny_models.root / f"eagle3-{layout}", target_dir, layout=layout,
+                                      aux_layer_ids=AUX)
+             for layout in ("eagle", "speculators")}
+    return target_dir, target, heads
+
+
+def aux_states(target, tokens: list[int]) -> torch.Tensor:
+    """[n, 3 * H] the target's aux hidden states at every position (vLLM's layer semantics)."""
+    taps = {}
+    hooks = [target.model.layers[k].register_forward_pre_hook(lambda m, a, k=k: taps.__setitem__(k, a[0]))
+             for k in AUX if k < len(target.model.layers)]
+    last = target.model.layers[-1].register_forward_hook(lambda m, a, out: taps.__setitem__(
+        len(target.model.layers), out[0] if isinstance(out, tuple) else out))
+    try:
+        with torch.no_grad():
+            target(torch.tensor([tokens]))
+    finally:
+        for h in hooks + [last]:
+            h.remove()
+    return torch.cat([taps[k][0] for k in AUX], dim=-1)
+
+
+def reference_logits(head, tokens: list[int], aux: torch.Tensor, path: tuple[int, ...]) -> torch.Tensor:
+    """Draft logits [V_draft] after `path`, running the head sequentially with no cache (full recompute)."""
+    n = len(tokens)
+    ids = list(tokens[1:])  # entry t = (x_{t+1}, g_t)
+    with torch.no_grad():
+        feats = [head.combine(aux[t]) for t in range(n - 1)]
+        for y in (None,) + path:
+            if y is not None:
+                ids.append(y)
+                feats.append(g_last)
+            m = len(ids)
+            mask = torch.tril(torch.ones(m, m, dtype=torch.bool))[None]
+            logits, g, _ = head(torch.tensor([ids]), torch.stack(feats)[None], torch.arange(m)[None], None, mask)
+            g_last = g[0, -1]
+    return logits[0, -1]
+
+
+def node_path(tree, i: int) -> tuple[int, ...]:
+    path = []
+    while i >= 0:
+        path.append(int(tree.tokens[i]))
+        i = int(tree.parents[i])
+    return tuple(reversed(path))
+
+
+def start(drafter, target, rid, tokens):
+    drafter.start_request(rid, tokens[:-1] or tokens)
+    aux = aux_states(target, tokens)
+    drafter.observe_target([rid], [list(range(len(tokens) - 1))], torch.arange(len(tokens)), aux)
+    return aux
+
+
+@pytest.mark.parametrize("layout", ["eagle", "speculators"])
+def test_logits_equal_vllm_eagle3_class(setup, layout):
+    """Our head == vLLM's Eagle3LlamaForCausalLM on the same checkpoint (vLLM's loader, name mapping, d2t);
+    vLLM's paged attention is replaced by causal SDPA (the only part a standalone run cannot build).
+    In a subprocess: it initialises vLLM's distributed state, which in-process engines own."""
+    target_dir, _, heads = setup
+    script = textwrap.dedent(f"""
+        import tempfile, torch
+        from transformers import AutoModelForCausalLM
+        from vllm.config import set_current_vllm_config
+        from vllm.distributed import init_distributed_environment, initialize_model_parallel
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
+        from safetensors.torch import load_file
+        from vllm_tree_spec.drafters.eagle3_head import load_head
+
+        head_dir = {str(heads[layout])!r}
+        vc = EngineArgs(model={str(target_dir)!r}, dtype="float32", enforce_eager=True, max_model_len=512,
+                        speculative_config={{"method": "eagle3", "model": head_dir,
+                                            "num_speculative_tokens": 2}}).create_engine_config()
+
+        class Causal(torch.nn.Module):
+            def __init__(self, h, kvh, d):
+                super().__init__(); self.h, self.kvh, self.d = h, kvh, d
+            def forward(self, q, k, v, *a, **kw):
+                t = q.shape[0]
+                q, k, v = (x.view(t, n, self.d).transpose(0, 1)[None] for x, n in ((q, self.h), (k, self.kvh), (v, self.kvh)))
+                o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                return o[0].transpose(0, 1).reshape(t, -1)
+
+        target = AutoModelForCausalLM.from_pretrained({str(target_dir)!r}, dtype=torch.float32)
+        emb = target.model.embed_tokens.weight.detach()
+        with set_current_vllm_config(vc):
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method="file://" + tempfile.mktemp())
+            initialize_model_parallel(1, 1)
+            ref = Eagle3LlamaForCausalLM(vllm_config=vc)
+            ref.load_weights(load_file(head_dir + "/model.safetensors").items())
+            process_weights_after_loading(ref, vc.model_config, torch.device("cpu"))
+            if {layout!r} == "eagle":  # no embed_tokens in the head: vLLM shares the target's
+                ref.model.embed_tokens.weight.data.copy_(emb)
+            cfg = ref.config
+            ref.model.layers[0].self_attn.attn = Causal(cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
+            head = load_head(head_dir, target_embedding=emb)
+            g = torch.Generator().manual_seed(0)
+            T = 9
+            ids = torch.randint(0, {VOCAB}, (T,), generator=g)
+            aux = torch.randn(T, 3 * cfg.hidden_size, generator=g)
+            with torch.no_grad():
+                normed, pre = ref(ids, torch.arange(T), ref.combine_hidden_states(aux))
+                want = ref.compute_logits(normed)
+                mask = torch.tril(torch.ones(T, T, dtype=torch.bool))[None]
+                ld, ours_pre, _ = head(ids[None], head.combine(aux[None]), torch.arange(T)[None], None, mask)
+                got = head.target_logits(ld)[0]
+            fin = torch.isfinite(want)
+            assert torch.equal(fin, torch.isfinite(got)), "draft vocabulary (d2t) differs"
+            assert int(fin[0].sum()) == cfg.draft_vocab_size < {VOCAB}
+            err = (want[fin] - got[fin]).abs().max().item()
+            assert err < 1e-4, err
+            assert (pre - ours_pre[0]).abs().max().item() < 1e-4
+            print("OK", err)
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
+
+
+@pytest.mark.parametrize("policy", [
+    StaticPolicy.of(Tree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])),
+    DynamicPolicy.of(TreeShape.parse("s3_k3_d9")),
+], ids=["static", "dynamic"])
+def test_path_invariant(setup, policy):
+    """q at every expanded tree row equals the head run sequentially along that row's path."""
+    _, target, heads = setup
+    head = load_head(heads["eagle"], target_embedding=target.model.embed_tokens.weight)
+    drafter = Eagle3TreeDrafter(head, policy, return_draft_probs=True)
+    g = torch.Generator().manual_seed(1)
+    contexts = [torch.randint(7, VOCAB, (n,), generator=g).tolist() for n in (5, 12, 9)]
+    auxes = [start(drafter, target, f"r{i}", toks) for i, toks in enumerate(contexts)]
+    props = drafter.propose([DraftRequest(f"r{i}", toks, 0.0) for i, toks in enumerate(contexts)], 8)
+    checked = 0
+    for toks, aux, prop in zip(contexts, auxes, props):
+        tree = prop.tree
+        assert tree.num_nodes >= 5
+        paths = [()] + [node_path(tree, i) for i in range(tree.num_nodes)]
+        for row, path in enumerate(paths):
+            if not tree.children[row]:
+                continue  # leaves are never expanded
+            want = torch.softmax(head.target_logits(reference_logits(head, toks, aux, path)).float(), -1)
+            torch.testing.assert_close(prop.draft_probs[row], want, atol=1e-5, rtol=1e-4)
+            checked += 1
+    assert checked >= 6
+
+
+def test_catch_up_after_accepts_and_rewind(setup):
+    """Committed head KV after several steps (and after a rewind) gives the same root q as a fresh run."""
+    _, target, heads = setup
+    head = load_head(heads["speculators"])
+    drafter = Eagle3TreeDrafter(head, StaticPolicy.of(Tree.chain(3)), return_draft_probs=True)
+    g = torch.Generator().manual_seed(2)
+    toks = torch.randint(7, VOCAB, (10,), generator=g).tolist()
+    start(drafter, target, "a", toks)
+    for step, extra in enumerate([3, 1, 4]):
+        drafter.propose([DraftRequest("a", toks, 0.0)], 3)
+        n = len(toks)
+        toks = toks + torch.randint(7, VOCAB, (extra,), generator=g).tolist()
+        aux = aux_states(target, toks)
+        rows = list(range(n - 1, len(toks) - 1))  # the root and the accepted rows of this step
+        drafter.observe_target(["a"], [rows], torch.arange(len(toks)), aux)
+    prop = drafter.propose([DraftRequest("a", toks, 0.0)], 3)[0]
+    assert drafter.cached_tokens("a") == toks[1:]
+    want = torch.softmax(head.target_logits(reference_logits(head, toks, aux, ())).float(), -1)
+    torch.testing.assert_close(prop.draft_probs[0], want, atol=1e-5, rtol=1e-4)
+    # rewind: the caller's context diverges 4 tokens back (its features were observed before)
+    toks2 = toks[:-4] + [toks[-4] + 1 if toks[-4] + 1 < VOCAB else 7]
+    aux2 = aux_states(target, toks2)
+    drafter.observe_target(["a"], [[len(toks2) - 2]], torch.arange(len(toks2)), aux2)
+    prop = drafter.propose([DraftRequest("a", toks2, 0.0)], 3)[0]
+    assert drafter.cached_tokens("a") == toks2[1:]
+    want = torch.softmax(head.target_logits(reference_logits(head, toks2, aux2, ())).float(), -1)
+    torch.testing.assert_close(prop.draft_probs[0], want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("replacement", [True, False])
+def test_sampled_children_return_q(setup, replacement):
+    """Sampled trees carry q rows (validated: normalised, every child drawable) in the matching mode."""
+    _, target, heads = setup
+    head = load_head(heads["eagle"], target_embedding=target.model.embed_tokens.weight)
+    shape = Tree.from_paths([(0,), (1,), (0, 0), (1, 0)])
+    drafter = Eagle3TreeDrafter(head, SampledPolicy.of(shape, replacement=replacement), seed=3)
+    toks = list(range(20, 31))
+    start(drafter, target, "s", toks)
+    prop = drafter.propose([DraftRequest("s", toks, 0.8)], 4)[0]
+    assert prop.mode == (Mode.SAMPLED if replacement else Mode.SAMPLED_WITHOUT_REPLACEMENT)
+    assert prop.draft_probs is not None and prop.tree.num_nodes == 4
+    in_vocab = torch.isfinite(head.target_logits(torch.zeros(head.cfg.draft_vocab)))
+    assert bool(in_vocab[prop.tree.tokens].all())  # children come from the draft vocabulary
