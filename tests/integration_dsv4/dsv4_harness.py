@@ -476,10 +476,11 @@ AMX_FLIP = 1 / 64  # the largest margin measured to flip on Intel AMX (docs/test
 def emulate_amx_flips(flips: list, max_flips_per_request: int = 1, margin: float = AMX_FLIP):
     """on_llm: make tree steps round near-ties the other way, as Intel AMX's multi-row bf16 GEMMs do.
 
-    In every tree step, where the root row's top-2 logits are within `margin` the runner-up becomes the
-    argmax (at most `max_flips_per_request` times per request). The root row's argmax is always the next
-    token, so each flip changes the output at exactly that position. Records (request index, output index,
-    top token, runner-up, margin) in `flips`.
+    In every tree step, where the root row's argmax and runner-up are within `margin` the runner-up becomes
+    the argmax (at most `max_flips_per_request` times per request). The root row's argmax is always the
+    next token, so each flip changes the output at exactly that position (node rows, whose tokens count
+    only where accepted, are left alone: a subset of what AMX flips, with an exact record). Records
+    (request index, output index, argmax, runner-up, margin) in `flips`.
     """
 
     def on_llm(llm):
@@ -497,11 +498,13 @@ def emulate_amx_flips(flips: list, max_flips_per_request: int = 1, margin: float
                 if done.get(r.req_id, 0) >= max_flips_per_request:
                     continue
                 row = starts[r.req_index]
-                top2 = logits[row].float().topk(2)
-                gap = float(top2.values[0] - top2.values[1])
+                x = logits[row].float()  # [V]
+                a = int(x.argmax())  # the token greedy picks (the lowest index among exact ties)
+                v = float(x[a])
+                x[a] = float("-inf")
+                b = int(x.argmax())  # the runner-up
+                gap = v - float(x[b])
                 if gap <= margin:
-                    a, b = int(top2.indices[0]), int(top2.indices[1])
-                    v = float(top2.values[0])
                     logits[row, b] = v
                     logits[row, a] = v - max(abs(v), 1.0) * 2 ** -7  # at least one bf16 step below
                     done[r.req_id] = done.get(r.req_id, 0) + 1
