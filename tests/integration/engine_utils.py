@@ -127,8 +127,7 @@ def compare_greedy(base: list[list[int]], spec: list[list[int]], prompts, ties: 
     float64 near-tie followed by exactly the target's greedy continuation. ties=None: identical outputs
     only. Raises OracleRejection; returns the report lines (excuses, numerics control)."""
     if ties is None:
-        oracle = GreedyOracle(lambda c, p: [{None: 0.0} for _ in c], lambda c, n: [[] for _ in c], -1.0,
-                              name="greedy oracle (no excuses)")
+        oracle = GreedyOracle(None, None, 0.0, name="greedy oracle (no excuses)")
     else:
         oracle = GreedyOracle(ties.reference, ties.continue_greedy, ties.bound, ties.control(prompts, base))
     return oracle.check(prompts, base, spec).lines()
