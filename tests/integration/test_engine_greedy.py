@@ -1,14 +1,15 @@
 """End-to-end greedy: tree speculation in vLLM equals the same engine without speculation.
 
 Over 24 prompts, several static shapes and a dynamic tree, for the model-free
-drafters (and the draft-model drafter in test_engine_draft_model.py). Negative
-controls remove one mechanism at a time (tree mask, depth positions, KV
-commit) and must make the output diverge: they prove each is needed and that
-the tests can fail.
+drafters (and the draft-model drafter in test_engine_draft_model.py), judged by
+the greedy-identity oracle (engine_utils.compare_greedy, docs/testing.md).
+Negative controls remove one mechanism at a time (tree mask, depth positions,
+KV commit) or plant an off-by-one in the commit, and the oracle must reject
+them: they prove each is needed and that the tests can fail.
 """
 
 import pytest
-from engine_utils import TieChecker, compare_greedy, repetitive_prompts, run_engine
+from engine_utils import OracleRejection, TieChecker, compare_greedy, repetitive_prompts, run_engine
 
 VOCAB = 2048
 MAX_TOKENS = 48
@@ -72,20 +73,28 @@ def _controls():
     def no_commit(runner, requests, accepted):
         return 0
 
+    def commit_off_by_one(row_slots, accepted):  # planted bug: copy from the slot one row early
+        return [(row_slots[n], row_slots[k]) for k, n in enumerate(accepted, start=1) if n + 1 != k]
+
+    from vllm_tree_spec.integration import kv_layout
+
     return {
         "no-tree-mask": [(TreeCPUAttentionImpl, "_tree_rows", causal_mask_only)],
         "linear-positions": [(runner_mod.TreeRunnerMixin, "_tree_set_positions", linear_positions)],
         "no-kv-commit": [(adapters_mod, "commit_accepted_paths", no_commit)],
+        "commit-off-by-one": [(kv_layout, "compaction_pairs", commit_off_by_one)],
     }
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("control", ["no-tree-mask", "linear-positions", "no-kv-commit"])
-def test_negative_controls_diverge(setup, control, monkeypatch):
+@pytest.mark.parametrize("control", ["no-tree-mask", "linear-positions", "no-kv-commit", "commit-off-by-one"])
+def test_negative_controls_rejected(setup, control, monkeypatch):
     model, raw, prompts, params, base = setup
     patches = _controls()[control]
     for obj, name, value in patches:
         monkeypatch.setattr(obj, name, value)
     run = run_engine(model, prompts, params, CONFIGS["ngram-budget10"])
-    differing = sum(a != b for a, b in zip(base.outputs, run.outputs))
-    assert differing > 0, f"removing {control} changed nothing: the test could not fail"
+    monkeypatch.undo()  # the oracle's own engines run without the control
+    with pytest.raises(OracleRejection) as rejected:
+        compare_greedy(base.outputs, run.outputs, raw, TieChecker(model))
+    print(rejected.value)

@@ -88,7 +88,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def dsv4_model(tmp_path_factory) -> str:
-    """The tiny random DeepSeek-V4 checkpoint with one MTP layer (built once per session, ~5 s)."""
+    """The tiny random DeepSeek-V4 checkpoint with one MTP layer, decisive (tiny_dsv4.DECISIVE_BIGRAM;
+    built once per session, ~5 s)."""
+    from tiny_dsv4 import DECISIVE_BIGRAM, make_tiny_dsv4
+
+    return str(make_tiny_dsv4(tmp_path_factory.mktemp("tiny_dsv4") / "dsv4-s0", bigram=DECISIVE_BIGRAM))
+
+
+@pytest.fixture(scope="session")
+def dsv4_flat_model(tmp_path_factory) -> str:
+    """The same checkpoint without the decisive successor vote (bigram 0): near-ties within bf16 rounding
+    at a few positions per prompt, and greedy output that every attention error reaches."""
     from tiny_dsv4 import make_tiny_dsv4
 
-    return str(make_tiny_dsv4(tmp_path_factory.mktemp("tiny_dsv4") / "dsv4-s0"))
+    return str(make_tiny_dsv4(tmp_path_factory.mktemp("tiny_dsv4_flat") / "dsv4-flat", bigram=0.0))

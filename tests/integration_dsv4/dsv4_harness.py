@@ -9,6 +9,11 @@
   therefore long, often leave the first branch, and siblings complete the
   same CSA / HCA block in different branches. It is injected by replacing
   `proposer.make_drafter` (in-process engines only).
+* `dsv4_oracle` is the greedy-identity oracle (tests/fixtures/greedy_oracle.py)
+  wired to this engine: the near-tie reference is the engine's own prompt
+  log-probabilities (a prefill over the shared prefix, no speculation), the
+  continuation a run without speculation, the numerics control vLLM's own
+  linear n-gram speculation.
 * `snapshot_request_caches` reads, through vLLM's block tables, every
   position-addressed store of one request: SWA rows of the window, compressor
   state rows, compressed entries C4 / C128 and indexer keys.
@@ -19,14 +24,22 @@ from __future__ import annotations
 import contextlib
 import gc
 import random
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from vllm_tree_spec.drafters.base import DraftRequest, TreeDrafter, TreeProposal, deterministic_mode
 from vllm_tree_spec.tree import Tree
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from greedy_oracle import NEAR_TIE_BF16, GreedyOracle, first_difference  # noqa: E402,F401
+
 LOW_TOKEN = 7  # keep clear of the tokenizer's specials
+REFERENCE_TOP_K = 20  # a token below the reference's top 20 is no near-tie
+# the numerics control: vLLM's own linear speculation (multi-row verify steps, no tree code)
+LINEAR_CONTROL = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
 
 
 @dataclass
@@ -73,7 +86,8 @@ def run_dsv4(model: str, prompts, params, spec: dict | None = None, *, max_model
     orig_make = proposer_mod.make_drafter
     if drafter_factory is not None:
         proposer_mod.make_drafter = lambda cfg, vllm_config=None: drafter_factory(cfg)
-    ctx = stock_tile_scheduler_fix() if spec is None else contextlib.nullcontext()
+    is_tree = spec is not None and spec.get("method") == "tree"
+    ctx = contextlib.nullcontext() if is_tree else stock_tile_scheduler_fix()
     try:
         with ctx:
             llm = LLM(**kwargs)
@@ -116,10 +130,44 @@ def random_prompts(lengths, seed: int = 0, vocab: int = 512, repeat: float = 0.0
     return out
 
 
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    if a == b:
-        return None
-    return next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+def dsv4_oracle(model: str, prompts: list[list[int]], params, *, control: bool = True,
+                **engine_kwargs) -> GreedyOracle:
+    """The greedy-identity oracle for runs of `prompts` with `params` (greedy) on `model`.
+
+    engine_kwargs (max_model_len, max_num_seqs) are those of the runs being compared.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def reference(contexts, pairs):
+        # prompt log-probs of context + [spec token]: the row at len(context) is the distribution at j
+        lp_params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=REFERENCE_TOP_K, ignore_eos=True,
+                                   detokenize=False)
+        jobs = [TokensPrompt(prompt_token_ids=c + [b]) for c, (_, b) in zip(contexts, pairs)]
+        run = run_dsv4(model, jobs, lp_params, raw_outputs=True, max_logprobs=REFERENCE_TOP_K, **engine_kwargs)
+        out = []
+        for c, o in zip(contexts, run.raw):
+            row = {t: v.logprob for t, v in o.prompt_logprobs[len(c)].items()}
+            out.append({**row, None: max(row.values())})
+        return out
+
+    def continue_greedy(contexts, n_tokens):
+        todo = [i for i, n in enumerate(n_tokens) if n > 0]
+        out = [[] for _ in contexts]
+        if todo:
+            run = run_dsv4(model, [TokensPrompt(prompt_token_ids=contexts[i]) for i in todo],
+                           [SamplingParams(temperature=0, max_tokens=n_tokens[i], ignore_eos=True) for i in todo],
+                           **engine_kwargs)
+            for i, o in zip(todo, run.outputs):
+                out[i] = o
+        return out
+
+    def linear_control(idx):
+        return run_dsv4(model, [TokensPrompt(prompt_token_ids=prompts[i]) for i in idx], params, LINEAR_CONTROL,
+                        **engine_kwargs).outputs
+
+    return GreedyOracle(reference, continue_greedy, NEAR_TIE_BF16, linear_control if control else None,
+                        name="DeepSeek-V4 greedy oracle")
 
 
 # ---------------------------------------------------------------------------
@@ -414,6 +462,57 @@ def record_tree_steps(records: list, snaps: dict | None = None):
 
         runner_mod.tree_sample = tree_sample
         adapter.commit = commit
+        llm._tree_spec_restore = lambda: setattr(runner_mod, "tree_sample", real_tree_sample)
+
+    return on_llm
+
+
+# ---------------------------------------------------------------------------
+# AMX emulation (on_llm callback for run_dsv4)
+
+AMX_FLIP = 1 / 64  # the largest margin measured to flip on Intel AMX (docs/testing.md)
+
+
+def emulate_amx_flips(flips: list, max_flips_per_request: int = 1, margin: float = AMX_FLIP):
+    """on_llm: make tree steps round near-ties the other way, as Intel AMX's multi-row bf16 GEMMs do.
+
+    In every tree step, where the root row's argmax and runner-up are within `margin` the runner-up becomes
+    the argmax (at most `max_flips_per_request` times per request). The root row's argmax is always the
+    next token, so each flip changes the output at exactly that position (node rows, whose tokens count
+    only where accepted, are left alone: a subset of what AMX flips, with an exact record). Records
+    (request index, output index, argmax, runner-up, margin) in `flips`.
+    """
+
+    def on_llm(llm):
+        from vllm_tree_spec.integration import runner as runner_mod
+
+        real_tree_sample = runner_mod.tree_sample
+        done: dict[str, int] = {}
+
+        def tree_sample(rnr, logits, spec_meta, step):
+            num_draft = list(spec_meta.num_draft_tokens)
+            starts = [0]
+            for n in num_draft[:-1]:
+                starts.append(starts[-1] + n + 1)
+            for r in step.requests:
+                if done.get(r.req_id, 0) >= max_flips_per_request:
+                    continue
+                row = starts[r.req_index]
+                x = logits[row].float()  # [V]
+                a = int(x.argmax())  # the token greedy picks (the lowest index among exact ties)
+                v = float(x[a])
+                x[a] = float("-inf")
+                b = int(x.argmax())  # the runner-up
+                gap = v - float(x[b])
+                if gap <= margin:
+                    logits[row, b] = v
+                    logits[row, a] = v - max(abs(v), 1.0) * 2 ** -7  # at least one bf16 step below
+                    done[r.req_id] = done.get(r.req_id, 0) + 1
+                    prompt_len = int(rnr.requests[r.req_id].num_prompt_tokens)
+                    flips.append((int(r.req_id.split("-")[0]), r.root_pos + 1 - prompt_len, a, b, gap))
+            return real_tree_sample(rnr, logits, spec_meta, step)
+
+        runner_mod.tree_sample = tree_sample
         llm._tree_spec_restore = lambda: setattr(runner_mod, "tree_sample", real_tree_sample)
 
     return on_llm

@@ -7,6 +7,8 @@
   state rows (CSA main, CSA indexer, HCA), compressed entries C4 / C128 and
   indexer keys -- equals the stores of vLLM without speculation after decoding
   the same accepted tokens one by one (compared as raw bytes / floats).
+  Where a near-tie flipped the tree's output (excused by the greedy oracle,
+  docs/testing.md), only refresh points on the shared prefix are compared.
 * Negative control: without branch isolation (the stock DeepSeek-V4 path with
   tree positions) node rows no longer match.
 
@@ -17,8 +19,8 @@ same CSA / HCA block with different pooled rows.
 
 import pytest
 import torch
-from dsv4_harness import (OracleTreeDrafter, random_prompts, record_base_snapshots, record_tree_steps, run_dsv4,
-                          snapshot_mismatches)
+from dsv4_harness import (OracleTreeDrafter, dsv4_oracle, first_difference, random_prompts, record_base_snapshots,
+                          record_tree_steps, run_dsv4, snapshot_mismatches)
 
 PROMPT_LENGTHS = (118, 249)
 MAX_TOKENS = 20
@@ -132,11 +134,26 @@ def test_per_node_logits_equal_sequential_decode(dsv4_model, tree):
     assert c4 > 10 and c128 > 0 and same_block > 0, (c4, c128, same_block)
 
 
+def shared_prefix_keys(raw, base_outputs, tree_outputs, snaps, base_snaps):
+    """Snapshot keys (request, L) present in both runs whose context (L tokens) is the same in both: all of
+    them, or those within prompt + the shared prefix where an excused near-tie flipped the output."""
+    keep = []
+    for k in snaps:
+        if k not in base_snaps:
+            continue
+        req, length = k
+        j = first_difference(base_outputs[req], tree_outputs[req])
+        if j is None or length <= len(raw[req]) + j:
+            keep.append(k)
+    return keep
+
+
 @pytest.mark.vllm
-def test_caches_after_refresh_equal_sequential_decode(base, tree):
-    _, _, _, base_snaps = base
+def test_caches_after_refresh_equal_sequential_decode(dsv4_model, base, tree):
+    raw, params, base_run, base_snaps = base
     run, records, snaps = tree
-    common = [k for k in snaps if k in base_snaps]
+    dsv4_oracle(dsv4_model, raw, params).check(raw, base_run.outputs, run.outputs)  # at most one excused flip
+    common = shared_prefix_keys(raw, base_run.outputs, run.outputs, snaps, base_snaps)
     assert len(common) >= 8, f"only {len(common)} refresh points to compare"
     assert any(len(r.accepted) >= 2 and any(p >= 0 for p in r.parents) for r in records)
     bad = {}

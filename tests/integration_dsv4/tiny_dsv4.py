@@ -36,6 +36,7 @@ N_EXPERTS = 64
 TOPK_EXPERTS = 6
 MOE_INTER = 128
 COMPRESS_RATIOS = [0, 4, 128, 4]
+DECISIVE_BIGRAM = 0.85  # the greedy suites' checkpoint: top-2 gaps far above bf16 rounding (docs/testing.md)
 
 
 def config_dict(*, mtp: bool = True, num_hash_layers: int = 1, max_position_embeddings: int = 4096) -> dict:
@@ -139,8 +140,10 @@ def _block_weights(prefix: str, ratio: int, hash_layer: bool, rnd, ones, zeros) 
     return w
 
 
-def build_weights(seed: int = 0, *, mtp: bool = True, num_hash_layers: int = 1, head_gain: float = 1.0) -> dict:
-    """head_gain scales the output head (a peaked next-token distribution for sampling tests)."""
+def build_weights(seed: int = 0, *, mtp: bool = True, num_hash_layers: int = 1, head_gain: float = 1.0,
+                  bigram: float = 0.0) -> dict:
+    """head_gain scales the output head (a peaked next-token distribution for sampling tests); bigram adds
+    bigram * e_t / |e_t| to the head row of token perm(t) (a fixed random permutation)."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -165,6 +168,12 @@ def build_weights(seed: int = 0, *, mtp: bool = True, num_hash_layers: int = 1, 
             "hc_head_base": zeros(HC, dtype=torch.float32),
             "hc_head_scale": ones(1, dtype=torch.float32),
         }
+        if bigram:
+            e = w["embed.weight"].float()
+            perm = torch.randperm(VOCAB, generator=g)
+            head = w["head.weight"].float()
+            head[perm] += bigram * e / e.norm(dim=-1, keepdim=True)
+            w["head.weight"] = head.to(torch.bfloat16)
         for layer, ratio in enumerate(COMPRESS_RATIOS):
             w.update(_block_weights(f"layers.{layer}.", max(1, ratio), layer < num_hash_layers, rnd, ones, zeros))
         if mtp:
@@ -182,7 +191,7 @@ def build_weights(seed: int = 0, *, mtp: bool = True, num_hash_layers: int = 1, 
 
 
 def make_tiny_dsv4(out_dir: str | Path, *, seed: int = 0, mtp: bool = True, tokenizer_dir: str | Path | None = None,
-                   max_position_embeddings: int = 4096, head_gain: float = 1.0) -> Path:
+                   max_position_embeddings: int = 4096, head_gain: float = 1.0, bigram: float = 0.0) -> Path:
     """Write config.json, model.safetensors and a vocab-512 tokenizer into out_dir."""
     import shutil
 
@@ -195,7 +204,7 @@ def make_tiny_dsv4(out_dir: str | Path, *, seed: int = 0, mtp: bool = True, toke
     out.mkdir(parents=True, exist_ok=True)
     cfg = config_dict(mtp=mtp, max_position_embeddings=max_position_embeddings)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    save_file(build_weights(seed, mtp=mtp, head_gain=head_gain), str(out / "model.safetensors"),
+    save_file(build_weights(seed, mtp=mtp, head_gain=head_gain, bigram=bigram), str(out / "model.safetensors"),
               metadata={"format": "pt"})
     if tokenizer_dir is None:
         make_tokenizer(out, VOCAB)
