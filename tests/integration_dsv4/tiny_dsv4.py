@@ -1,4 +1,4 @@
-"""A tiny random DeepSeek-V4 checkpoint that vLLM's CPU path loads (cpu-test-recipe.md §6).
+"""A tiny random DeepSeek-V4 checkpoint that vLLM's CPU path loads.
 
 Geometry: vocab 512, hidden 256, 4 layers [SWA, CSA (m = 4), HCA (m' = 128), CSA],
 16 heads of 512 with one shared K = V head, RoPE 64, window 128, indexer
