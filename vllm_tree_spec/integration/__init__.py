@@ -16,7 +16,8 @@
         Why: CPUWorker builds its runner by module-global name and has no factory hook.
         Removal: a `_make_model_runner` hook on CPUWorker (GPU's Worker has one; TreeGPUWorker uses it).
     P4  Model-runner method overrides in TreeRunnerMixin (propose_draft_token_ids, _update_states,
-        _prepare_inputs, _build_attention_metadata, _sample, initialize_kv_cache, _input_fits_in_drafter),
+        _prepare_inputs, _build_attention_metadata, _sample, initialize_kv_cache, _input_fits_in_drafter,
+        _bookkeeping_sync),
         on a subclass used only by tree engines; model-specific adapters hook in there (DeepSeek-V4: integration/dsv4/,
         whose own touch points D1-D5 are recorded in its package docstring)
         Why: depth positions, tree masks, tree verification and KV compaction have no upstream hooks.
@@ -25,6 +26,11 @@
         cannot take num_spec_tokens more positions, and those zeros would be scheduled with no tree behind
         them; the tree drafter sizes each request's tree by its own room instead. Removal: a per-request
         room check upstream (or drafts cleared rather than zeroed).
+        _sample samples every row itself, steps without trees included: vLLM's chain RejectionSampler
+        crashes on vLLM-cpu when a step has spec-decode metadata and no drafts (empty top-k input), and its
+        Sampler lacks min-p / logit bias under speculation. _bookkeeping_sync hides the generators of
+        discarded partial-prefill rows (which draw nothing) from vLLM's Philox rewind, which CPU generators
+        do not support. Removal: the upstream fixes, or a sampler hook on the model runner.
 
     P5  (launcher.py) the `vllm-cpu` distribution name, for `vllm-tree-spec serve`.
     P6  vllm.utils.cpu_triton_utils._expand_kernel_impl, only with VLLM_TREE_SPEC_FIX_CPU_EXPAND=1
@@ -32,8 +38,11 @@
               probabilities (the benchmark's linear baseline). What: a dtype-preserving expand.
         Removal: the upstream fix (vllm_cpu_fixes.py has the details).
 
-`install()` is what the plugin entry point calls; it applies P1 (inert unless a tree config is given)
-and P6 (only when its variable is set). P2-P4 happen in the worker that P1 selects, i.e. only in
+    P7  (request_validation.py) SamplingParams._validate_spec_decode, for tree engines only: min_p and
+        logit_bias are accepted (the tree sampler applies them on every row).
+
+`install()` is what the plugin entry point calls; it applies P1 (inert unless a tree config is given),
+P6 (only when its variable is set) and P7 (inert unless the engine is a tree engine). P2-P4 happen in the worker that P1 selects, i.e. only in
 tree engines.
 """
 
@@ -52,4 +61,7 @@ def install() -> None:
     from vllm_tree_spec.integration import vllm_cpu_fixes
 
     vllm_cpu_fixes.install_if_requested()
+    from vllm_tree_spec.integration import request_validation
+
+    request_validation.install()
     _installed = True

