@@ -43,11 +43,11 @@ def test_top_k_requests_do_not_crash_the_engine(peaked):
     from vllm.inputs import TokensPrompt
 
     prompts = _prompts(200)
-    params = [SamplingParams(temperature=1.0, top_k=4, seed=i, max_tokens=24, ignore_eos=True, detokenize=False)
+    params = [SamplingParams(temperature=1.0, top_k=4, seed=i, max_tokens=16, ignore_eos=True, detokenize=False)
               for i in range(200)]
     run = run_engine(peaked, [TokensPrompt(prompt_token_ids=p) for p in prompts], params, NGRAM_D6,
                      max_num_seqs=16)
-    assert all(len(o) == 24 for o in run.outputs)
+    assert all(len(o) == 16 for o in run.outputs)
     assert run.tree_stats["rounds"] > 0
 
 
@@ -87,7 +87,7 @@ BUDGETED = {**NGRAM_D6, "budgets": {"1": 6, "8": 4, "64": 2}}
 NO_DRAFTS = {**NGRAM_D6, "budgets": {"1024": 0}}
 
 
-def _seeded_runs(peaked, patches=()):
+def _seeded_runs(peaked, patches=(), no_drafts=True):
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -107,7 +107,8 @@ def _seeded_runs(peaked, patches=()):
             mixed_prompts.append(seeded[len(where) - 1])
             mixed_params.append(_seeded_params(SamplingParams)[len(where) - 1])
     mixed = run_engine(peaked, mixed_prompts, mixed_params, BUDGETED, patches, max_num_seqs=16)
-    plain = run_engine(peaked, seeded, _seeded_params(SamplingParams), NO_DRAFTS, patches, max_num_seqs=4)
+    plain = run_engine(peaked, seeded, _seeded_params(SamplingParams), NO_DRAFTS, patches, max_num_seqs=4) \
+        if no_drafts else None
     return alone, [mixed.outputs[w] for w in where], plain, (alone, mixed)
 
 
@@ -137,9 +138,10 @@ def test_seed_check_detects_batch_dependent_coins(peaked):
         kwargs["needs_uniform"] = None
         return real(*args, **kwargs)
 
-    alone, mixed, plain, _ = _seeded_runs(peaked, [(verify.VerifyCoins, "draw", staticmethod(batch_shaped))])
     try:
-        differ = sum(alone.outputs[i] != mixed[i] or alone.outputs[i] != plain.outputs[i] for i in range(SEEDED))
+        alone, mixed, _, _ = _seeded_runs(peaked, [(verify.VerifyCoins, "draw", staticmethod(batch_shaped))],
+                                          no_drafts=False)
+        differ = sum(alone.outputs[i] != mixed[i] for i in range(SEEDED))
     finally:
         verify.VerifyCoins.draw = staticmethod(real)
     assert differ >= SEEDED // 2, f"only {differ} of {SEEDED} seeded requests changed with the load"
