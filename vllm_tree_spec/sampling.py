@@ -60,6 +60,40 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
     return torch.empty_like(logits).scatter_(-1, logits_idx, logits_sort)
 
 
+def target_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | float | None = None,
+    top_k: torch.Tensor | int | None = None,
+    top_p: torch.Tensor | float | None = None,
+    min_p: torch.Tensor | float | None = None,
+) -> torch.Tensor:
+    """Processed logits [R, V]: the logits each row is sampled from (vLLM's `processed_logits`).
+
+    Sampled rows: logits / temperature, then min-p, top-k, top-p (masked entries -inf); softmax of
+    this is p. Greedy rows (temperature <= 0) are returned unchanged (vLLM's all-greedy batches: no
+    temperature, no truncation). Parameters as in `target_probs`.
+    """
+    rows, vocab = logits.shape
+    dt, dev = logits.dtype, logits.device
+    temp = _per_row(temperature, rows, dt, dev)
+    x = logits
+    greedy = None
+    if temp is not None:
+        greedy = temp <= GREEDY_TEMPERATURE
+        if bool(greedy.all()):
+            return logits
+        x = x / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(1)
+    mp = _per_row(min_p, rows, dt, dev)
+    if mp is not None:
+        x = apply_min_p(x, mp)
+    tk = _per_row(top_k, rows, torch.long, dev)
+    tp = _per_row(top_p, rows, dt, dev)
+    x = apply_top_k_top_p(x, tk, tp)
+    if greedy is not None and bool(greedy.any()):
+        x = torch.where(greedy.unsqueeze(1), logits, x)
+    return x
+
+
 def target_probs(
     logits: torch.Tensor,
     temperature: torch.Tensor | float | None = None,
@@ -73,23 +107,11 @@ def target_probs(
     temperature <= 0 become one-hot on their argmax (greedy). The result keeps
     the dtype of `logits` (use float64 for exact tests).
     """
-    rows, vocab = logits.shape
-    dt, dev = logits.dtype, logits.device
-    temp = _per_row(temperature, rows, dt, dev)
-    x = logits
-    greedy = None
-    if temp is not None:
-        greedy = temp <= GREEDY_TEMPERATURE
-        if bool(greedy.all()):  # all rows greedy: skip the transforms and the softmax (same result)
-            return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-        x = x / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(1)
-    mp = _per_row(min_p, rows, dt, dev)
-    if mp is not None:
-        x = apply_min_p(x, mp)
-    tk = _per_row(top_k, rows, torch.long, dev)
-    tp = _per_row(top_p, rows, dt, dev)
-    x = apply_top_k_top_p(x, tk, tp)
-    probs = torch.softmax(x, dim=-1)
+    temp = _per_row(temperature, logits.shape[0], logits.dtype, logits.device)
+    greedy = None if temp is None else temp <= GREEDY_TEMPERATURE
+    if greedy is not None and bool(greedy.all()):  # all rows greedy: skip the transforms and the softmax
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    probs = torch.softmax(target_logits(logits, temperature, top_k, top_p, min_p), dim=-1)
     if greedy is not None and bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)

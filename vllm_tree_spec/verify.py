@@ -117,18 +117,27 @@ class VerifyCoins:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         lazy: bool = False,
+        needs_uniform: Sequence[bool] | None = None,
     ) -> "VerifyCoins":
         """Draw coins; request b uses generators[b] when given (seeded requests), else the default RNG.
 
         Each request's coins are drawn once, from its own generator or (all unseeded requests together)
         from the default RNG. lazy=True draws the uniforms now and the exponential rows on first use.
+        needs_uniform[b] = False (greedy and deterministic requests, which never read child tests) leaves
+        request b's uniforms at 0 and its stream untouched, so with lazy coins such a request consumes
+        exactly one exponential row per depth its walk reaches, whatever the batch's tree sizes.
         """
         shape_u = (max_depth + 1, max(1, max_children))
         gens = list(generators) if generators is not None else [None] * batch_size
-        u = torch.empty((batch_size, *shape_u), dtype=torch.float64, device=device)
-        # float64 uniforms: an exact 0 is (nearly) impossible, as in vLLM's generate_uniform_probs.
-        _fill_per_stream(u, gens, lambda shape, g: torch.rand(shape, dtype=torch.float64, device=device,
-                                                               generator=g))
+        u = torch.zeros((batch_size, *shape_u), dtype=torch.float64, device=device)
+        need = [True] * batch_size if needs_uniform is None else list(needs_uniform)
+        idx = [b for b in range(batch_size) if need[b]]
+        if idx:
+            # float64 uniforms: an exact 0 is (nearly) impossible, as in vLLM's generate_uniform_probs.
+            sub = torch.empty((len(idx), *shape_u), dtype=torch.float64, device=device)
+            _fill_per_stream(sub, [gens[b] for b in idx],
+                             lambda shape, g: torch.rand(shape, dtype=torch.float64, device=device, generator=g))
+            u[torch.tensor(idx, device=device) if len(idx) < batch_size else slice(None)] = sub
         if lazy:
             return VerifyCoins(u, None, gens, vocab_size, dtype)
         e = _exponential_rows(gens, max_depth + 1, vocab_size, dtype, u.device)
@@ -315,13 +324,16 @@ def _validate(tree: Tree, target_probs: torch.Tensor, draft_probs: torch.Tensor 
 
 
 def _truncate(
-    accepted: list[int], next_token: int, tokens: list[int], eos_token_id: int | None, max_tokens: int | None
+    accepted: list[int], next_token: int, tokens: list[int], eos_token_id: "int | Sequence[int] | None",
+    max_tokens: int | None,
 ) -> tuple[list[int], int]:
-    """Cut the emitted sequence at the first EOS (inclusive) and at max_tokens."""
+    """Cut the emitted sequence at the first EOS / stop id (inclusive) and at max_tokens."""
     emitted = [tokens[i] for i in accepted] + [next_token]
     cut = len(emitted)
-    if eos_token_id is not None and eos_token_id in emitted:
-        cut = emitted.index(eos_token_id) + 1
+    stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    hits = [k for k, t in enumerate(emitted) if t in stops]
+    if hits:
+        cut = hits[0] + 1
     if max_tokens is not None:
         cut = min(cut, max_tokens)
     return accepted[: cut - 1], emitted[cut - 1]
@@ -388,7 +400,7 @@ def verify_tree(
     mode: str,
     generator: torch.Generator | None,
     *,
-    eos_token_id: int | None = None,
+    eos_token_id: "int | Sequence[int] | None" = None,
     max_tokens: int | None = None,
 ) -> tuple[list[int], int]:
     """Verify one request's draft tree (reference implementation).
@@ -402,7 +414,8 @@ def verify_tree(
             (required by the two sampled modes).
         mode: "greedy" | "deterministic" | "sampled" | "sampled_without_replacement".
         generator: torch.Generator supplying the coins (None: the default RNG).
-        eos_token_id: if given, the round ends at an emitted EOS.
+        eos_token_id: if given (an id or a collection of stop ids), the round ends at the first
+            emitted one.
         max_tokens: if given (>= 1), at most this many tokens are emitted.
 
     Returns:
@@ -419,7 +432,7 @@ def verify_tree(
 
 def verify_tree_with_coins(
     parents, tokens, target_probs, draft_probs, mode, coins: VerifyCoins | CoinSource, *, b: int = 0,
-    eos_token_id: int | None = None, max_tokens: int | None = None,
+    eos_token_id: "int | Sequence[int] | None" = None, max_tokens: int | None = None,
 ) -> tuple[list[int], int]:
     """`verify_tree` reading explicit coins (request b of a `VerifyCoins`, or any `CoinSource`)."""
     source = TensorCoins(coins, b) if isinstance(coins, VerifyCoins) else coins
@@ -495,7 +508,8 @@ def verify_batch(
         modes: one mode for all, or [B] modes (names, `Mode`s or an int tensor).
         coins: `VerifyCoins` with at least [B, D + 1, K] / [B, D + 1, V]; drawn
             from the default RNG when None (not needed if all requests are greedy).
-        eos_token_id: [B] int64, -1 = none.
+        eos_token_id: [B] int64, -1 = none; or [B, S] stop ids per request (EOS and stop_token_ids),
+            -1 padded: the round ends at the first emitted one.
         max_tokens: [B] int64 remaining token budget (>= 1), or None.
         target_argmax: [R] int64 argmax of p per row; when every request is greedy it may stand
             in for target_probs (pass None there): greedy verification reads nothing else.
@@ -629,8 +643,10 @@ def verify_batch(
     length = num_accepted + 1
     pos = torch.arange(D + 1, device=device)[None, :]
     if eos_token_id is not None:
-        eos = torch.as_tensor(eos_token_id, dtype=torch.long, device=device).expand(B)
-        is_eos = (emitted == eos[:, None]) & (eos[:, None] >= 0) & (pos < length[:, None])
+        eos = torch.as_tensor(eos_token_id, dtype=torch.long, device=device)
+        eos = eos.expand(B)[:, None] if eos.dim() < 2 else eos  # [B, S] stop ids, -1 padded
+        hit = ((emitted[:, :, None] == eos[:, None, :]) & (eos[:, None, :] >= 0)).any(-1)  # [B, D + 1]
+        is_eos = hit & (pos < length[:, None])
         first_eos = torch.where(is_eos, pos, torch.full_like(pos, D + 1)).amin(-1)
         length = torch.minimum(length, first_eos + 1)
     if max_tokens is not None:

@@ -1,34 +1,65 @@
-"""End-to-end sampling: with tree speculation the output distribution is exactly the target's.
+"""End-to-end sampling: with tree speculation the output law is exactly the target's, for every parameter.
 
-A tiny-vocabulary model (48 tokens, peaked random weights) and one prompt;
-each of N requests has its own seed. The first generated token comes from the
-prefill step (vLLM's sampler); the second and third are emitted by tree
-verification. Their joint law is computed exactly with transformers (float64,
-same temperature/top-p transform as vLLM), and the engine's counts must fit it
-(chi-square, cells with expected count < 5 pooled). The same counts from the
-engine without speculation are tested the same way, and the two engines are
-compared with a two-sample test. A hard zero-support check makes sure no
-token outside the top-p nucleus is ever emitted.
+A tiny-vocabulary model (48 tokens, peaked random weights) and one prompt (extended with the model's own
+greedy text, so drafts get accepted). Each request has its own seed and draws 3 tokens: t1 from the
+prefill step, t2 and t3 from tree verification (accepted, recovered or bonus tokens) or from draftless
+steps; every one of them goes through the tree engine's sampler. The exact law of (t1, t2, t3) is
+enumerated with transformers in float64 and an independent implementation of vLLM's transforms
+(`reference_probs`: logit bias, repetition / frequency / presence penalties over the token history,
+temperature, min-p, top-k, top-p), and the engine's counts must fit it:
+
+* a chi-square on the joint (t1, t2, t3) and one on (t2, t3), cells with expected count < 5 pooled
+  (the pooled cell's expectation is 1 minus the enumerated cells: exact);
+* zero support: no emitted triple has probability 0 under the exact law.
+
+Parameter sets (one engine per verification mode, all sets mixed in its batches):
+deterministic (suffix trees) runs every set on its own; sampled and sampled_without_replacement (the
+target as its own draft model, `draft_sampling`) run two sets that together cover every parameter.
+Negative controls: the same check fails when one transform (logit bias, penalties) is skipped on tree
+rows only, and when sampled requests are verified as if greedy.
 """
+
+import shutil
 
 import pytest
 import torch
 from engine_utils import run_engine
 from scipy import stats
 
-from vllm_tree_spec.sampling import target_probs
-
 VOCAB = 48
-N = 1500
-TEMPERATURE, TOP_P = 0.9, 0.95
-P_MIN = 1e-3
+P_MIN = 1e-4
+N_SET = 300  # requests per parameter set
+PROMPT_SEED = [7, 11, 13, 17]
+
+SETS = {
+    "temperature": dict(temperature=0.7),
+    "top_k": dict(temperature=1.0, top_k=4),
+    "top_p": dict(temperature=1.0, top_p=0.7),
+    "min_p": dict(temperature=1.2, min_p=0.08),
+    "logit_bias": dict(temperature=1.0, logit_bias={}),  # tokens chosen in `setup`
+    "penalties": dict(temperature=1.0, repetition_penalty=1.6, frequency_penalty=0.6, presence_penalty=0.4),
+    # two sets that together cover every parameter (the draft-model modes)
+    "t+top_k+bias": dict(temperature=0.8, top_k=6, logit_bias={}),
+    "top_p+min_p+penalties": dict(temperature=1.1, top_p=0.85, min_p=0.05, repetition_penalty=1.5,
+                                  frequency_penalty=0.5, presence_penalty=0.3),
+}
+SINGLE = ["temperature", "top_k", "top_p", "min_p", "logit_bias", "penalties"]
+COMBINED = ["t+top_k+bias", "top_p+min_p+penalties"]
+DRAFT_TREE = "[(0,), (1,), (0, 0), (0, 1), (1, 0)]"
+MODES = {
+    # the suffix cache learns the target's continuations across requests, so its trees get accepted
+    "deterministic": ({"method": "tree", "drafter": "suffix", "tree": "s3_k3_d8", "min_token_prob": 0.0}, SINGLE),
+    "sampled": ({"method": "tree", "drafter": "draft_model", "tree": DRAFT_TREE, "draft_sampling": "sample"},
+                COMBINED),
+    "sampled_without_replacement": ({"method": "tree", "drafter": "draft_model",
+                                     "tree": "[(0,), (1,), (2,), (0, 0), (0, 1)]",
+                                     "draft_sampling": "sample_without_replacement"}, COMBINED),
+}
 
 
 @pytest.fixture(scope="module")
 def setup(tiny_models):
     from transformers import AutoModelForCausalLM
-
-    import shutil
 
     from tiny_models import build_tiny_llama
 
@@ -42,112 +73,188 @@ def setup(tiny_models):
                 shutil.copy2(f, path / f.name)
     path = str(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-    prompt = [7, 11, 13, 17]
+    prompt = list(PROMPT_SEED)
     with torch.no_grad():  # extend with the model's own greedy text so n-gram drafts get accepted
         for _ in range(28):
             prompt.append(int(model(torch.tensor([prompt])).logits[0, -1].argmax()))
+    # logit bias on tokens that matter at t2: down on the likeliest, up on the fifth likeliest
+    p1 = _probs(model, prompt, [[]], {})[0]
+    p2 = _probs(model, prompt, [[t] for t in range(VOCAB)], {})
+    t2 = (p1[:, None] * p2).sum(0).argsort(descending=True).tolist()
+    for name in ("logit_bias", "t+top_k+bias"):
+        SETS[name]["logit_bias"] = {t2[0]: -4.0, t2[4]: 2.5}
     return path, model, prompt
 
 
-@pytest.fixture(scope="module")
-def no_spec_counts(setup):
-    path, model, prompt = setup
-    _, b12, b23 = sample(path, prompt, None)
-    return b12, b23
+# -- the exact law ------------------------------------------------------------------------------------
 
 
-def _probs(model, contexts):
-    with torch.no_grad():
-        logits = model(torch.tensor(contexts)).logits[:, -1]
-    return target_probs(logits, TEMPERATURE, None, TOP_P)
+def reference_probs(logits: torch.Tensor, params: dict, prompt: list[int], outputs: list[list[int]]):
+    """p [n, V] (float64) for n contexts: vLLM 0.32's Sampler transforms, written out independently."""
+    x = logits.to(torch.float64).clone()
+    for tid, b in (params.get("logit_bias") or {}).items():
+        x[:, tid] += b
+    rep = params.get("repetition_penalty", 1.0)
+    freq, pres = params.get("frequency_penalty", 0.0), params.get("presence_penalty", 0.0)
+    for r, out in enumerate(outputs):
+        if rep != 1.0:
+            seen = sorted(set(prompt) | set(out))
+            v = x[r, seen]
+            x[r, seen] = torch.where(v > 0, v / rep, v * rep)
+        for tid in set(out):
+            x[r, tid] -= freq * out.count(tid) + pres
+    x = x / params.get("temperature", 1.0)
+    if params.get("min_p"):
+        pr = x.softmax(-1)
+        x = x.masked_fill(pr < params["min_p"] * pr.amax(-1, keepdim=True), float("-inf"))
+    if params.get("top_k"):
+        kth = x.topk(params["top_k"], dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if params.get("top_p") is not None and params["top_p"] < 1:
+        srt, idx = x.sort(-1)  # ascending; drop the prefix whose mass is <= 1 - top_p, keep the top token
+        drop = srt.softmax(-1).cumsum(-1) <= 1 - params["top_p"]
+        drop[:, -1] = False
+        x = x.masked_fill(torch.zeros_like(drop).scatter(1, idx, drop), float("-inf"))
+    return x.softmax(-1)
 
 
-def exact_law(model, prompt) -> dict:
-    """P(t1, t2, t3) marginalised to (t2, t3) and (t1, t2)."""
-    p1 = _probs(model, [prompt])[0]
+@torch.no_grad()
+def _probs(model, prompt, outs, params):
+    logits = model(torch.tensor([prompt + o for o in outs])).logits[:, -1]
+    return reference_probs(logits, params, prompt, outs)
+
+
+def exact_law(model, prompt, params, min_weight=1e-6) -> dict:
+    """P(t1, t2, t3) over every prefix of weight >= min_weight (the rest is pooled exactly)."""
+    p1 = _probs(model, prompt, [[]], params)[0]
     t1s = [t for t in range(VOCAB) if p1[t] > 0]
-    p2 = _probs(model, [prompt + [t] for t in t1s])
-    joint12, joint23 = {}, {}
-    ctx3, w3 = [], []
+    p2 = _probs(model, prompt, [[t] for t in t1s], params)
+    ctx, w = [], []
     for i, t1 in enumerate(t1s):
         for t2 in range(VOCAB):
-            w = float(p1[t1] * p2[i, t2])
-            if w > 0:
-                joint12[(t1, t2)] = w
-                ctx3.append(prompt + [t1, t2])
-                w3.append((t2, w))
-    p3 = _probs(model, ctx3)
-    for (t2, w), row in zip(w3, p3):
-        for t3 in torch.nonzero(row).flatten().tolist():
-            joint23[(t2, t3)] = joint23.get((t2, t3), 0.0) + w * float(row[t3])
-    return {"12": joint12, "23": joint23}
+            if float(p1[t1] * p2[i, t2]) >= min_weight:
+                ctx.append([t1, t2])
+                w.append(float(p1[t1] * p2[i, t2]))
+    law = {}
+    for s in range(0, len(ctx), 512):
+        p3 = _probs(model, prompt, ctx[s: s + 512], params)
+        for (t1, t2), wi, row in zip(ctx[s: s + 512], w[s: s + 512], p3):
+            for t3 in torch.nonzero(row).flatten().tolist():
+                law[(t1, t2, t3)] = wi * float(row[t3])
+    return law
+
+
+def prob_of(model, prompt, params, triple) -> float:
+    """Exact probability of one triple (for emitted triples outside the enumerated prefixes)."""
+    t1, t2, t3 = triple
+    p = _probs(model, prompt, [[], [t1], [t1, t2]], params)
+    return float(p[0, t1] * p[1, t2] * p[2, t3])
+
+
+def marginal(d: dict, keep) -> dict:
+    out = {}
+    for k, v in d.items():
+        out[keep(k)] = out.get(keep(k), 0) + v
+    return out
 
 
 def chi_square_fit(counts: dict, law: dict, n: int) -> float:
-    obs, exp, po, pe = [], [], 0, 0.0
+    obs, exp, pooled_obs, listed = [], [], 0, 0.0
     for k, pr in law.items():
         if pr * n >= 5:
             obs.append(counts.get(k, 0))
             exp.append(pr * n)
-        else:
-            po += counts.get(k, 0)
-            pe += pr * n
-    obs.append(po + sum(v for k, v in counts.items() if k not in law))
-    exp.append(max(pe, 1e-12))
+            listed += pr
+    pooled_obs = n - sum(obs)
+    obs.append(pooled_obs)
+    exp.append(max((1.0 - listed) * n, 1e-9))
     return float(stats.chisquare(obs, exp).pvalue)
 
 
-def sample(path, prompt, spec, n=N):
+# -- the engine -----------------------------------------------------------------------------------
+
+
+def sample(path, prompt, spec, set_names, seed0=0, patches=()):
+    """Counts of (t1, t2, t3) per parameter set, all sets mixed in one engine's batches."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = [SamplingParams(temperature=TEMPERATURE, top_p=TOP_P, max_tokens=3, seed=i, ignore_eos=True,
-                             detokenize=False) for i in range(n)]
-    run = run_engine(path, [TokensPrompt(prompt_token_ids=prompt)] * n, params, spec, max_num_seqs=16)
-    c12, c23 = {}, {}
-    for out in run.outputs:
-        c12[tuple(out[:2])] = c12.get(tuple(out[:2]), 0) + 1
-        c23[tuple(out[1:3])] = c23.get(tuple(out[1:3]), 0) + 1
-    return run, c12, c23
+    names, params = [], []
+    for i in range(N_SET):
+        for name in set_names:
+            names.append(name)
+            params.append(SamplingParams(max_tokens=3, seed=seed0 + len(params), ignore_eos=True, detokenize=False,
+                                         **SETS[name]))
+    run = run_engine(path, [TokensPrompt(prompt_token_ids=prompt)] * len(params), params, spec, patches,
+                     max_num_seqs=32)
+    counts = {name: {} for name in set_names}
+    for name, out in zip(names, run.outputs):
+        assert len(out) == 3
+        counts[name][tuple(out)] = counts[name].get(tuple(out), 0) + 1
+    return run, counts
+
+
+def check(model, prompt, name, counts) -> list[str]:
+    """The failures of one parameter set's counts against its exact law (empty: fits)."""
+    params = SETS[name]
+    law = exact_law(model, prompt, params)
+    bad = []
+    for triple in counts:
+        if triple not in law and prob_of(model, prompt, params, triple) == 0:
+            bad.append(f"{name}: emitted {triple}, which has probability 0")
+    for label, keep in (("(t1, t2, t3)", lambda k: k), ("(t2, t3)", lambda k: k[1:])):
+        p = chi_square_fit(marginal(counts, keep), marginal(law, keep), N_SET)
+        if p <= P_MIN:
+            bad.append(f"{name} {label}: chi-square p = {p:.2e}")
+    return bad
 
 
 @pytest.mark.vllm
 @pytest.mark.stats
-@pytest.mark.parametrize("spec", [
-    # the suffix cache learns the target's continuations across requests, so its trees get accepted
-    {"method": "tree", "drafter": "suffix", "tree": "s3_k3_d8", "min_token_prob": 0.0},
-    # the target as its own draft model: deterministic top-k, i.i.d. and without-replacement children
-    {"method": "tree", "drafter": "draft_model", "tree": "[(0,), (1,), (0, 0), (0, 1), (1, 0)]"},
-    {"method": "tree", "drafter": "draft_model", "tree": "[(0,), (1,), (0, 0), (0, 1), (1, 0)]",
-     "draft_sampling": "sample"},
-    {"method": "tree", "drafter": "draft_model", "tree": "[(0,), (1,), (2,), (0, 0), (0, 1)]",
-     "draft_sampling": "sample_without_replacement"},
-], ids=["suffix-s3_k3_d8", "draft-topk", "draft-iid", "draft-wor"])
-def test_sampled_distribution_matches_target(setup, no_spec_counts, spec):
+@pytest.mark.parametrize("mode", list(MODES))
+def test_sampling_law_is_exact(setup, mode):
     path, model, prompt = setup
-    n = N
+    spec, set_names = MODES[mode]
     if spec["drafter"] == "draft_model":
-        spec = {**spec, "model": path}
-        n = N // 2  # the HF draft model prefills every request's prompt: keep CI time in check
-    law = exact_law(model, prompt)
-    b12, b23 = no_spec_counts
-    run, c12, c23 = sample(path, prompt, spec, n)
-    assert run.tree_stats["accepted"] > n // 8, f"too few accepted drafts to test anything: {run.tree_stats}"
-    # zero support: nothing outside the target's support is ever emitted
-    assert set(c12) <= set(law["12"]) and set(c23) <= set(law["23"])
-    for name, counts in (("(t1, t2)", c12), ("(t2, t3)", c23)):
-        p = chi_square_fit(counts, law[name.replace("(t", "").replace(", t", "").replace(")", "")], n)
-        assert p > P_MIN, f"tree speculation {name}: chi-square p = {p:.2e}"
-    # the engine without speculation fits the same law (sanity of the exact law itself)
-    assert chi_square_fit(b23, law["23"], N) > P_MIN
-    # and the two engines agree with each other (two-sample chi-square on (t2, t3))
-    keys = sorted(set(b23) | set(c23), key=lambda k: -(b23.get(k, 0) + c23.get(k, 0)))
-    big = [k for k in keys if b23.get(k, 0) + c23.get(k, 0) >= 10]
-    rest = [k for k in keys if k not in big]
-    table = [[b23.get(k, 0) for k in big] + [sum(b23.get(k, 0) for k in rest)],
-             [c23.get(k, 0) for k in big] + [sum(c23.get(k, 0) for k in rest)]]
-    table = [list(col) for col in zip(*table) if sum(col) > 0]
-    assert stats.chi2_contingency(list(zip(*table)))[1] > P_MIN
+        spec = {**spec, "model": path}  # the target as its own draft: most drafts get accepted
+    run, counts = sample(path, prompt, spec, set_names)
+    assert run.tree_stats["accepted"] > N_SET * len(set_names) // 8, f"too few accepted drafts: {run.tree_stats}"
+    failures = [f for name in set_names for f in check(model, prompt, name, counts[name])]
+    assert not failures, "\n".join(failures)
+
+
+def _skip_on_tree_rows(field_values: dict):
+    """request_target_probs that drops some parameters on tree rows only (rows > 1; draftless rows are 1)."""
+    from vllm_tree_spec.integration import tree_sampler
+
+    real = tree_sampler.request_target_probs
+
+    def lossy(logits, sp, histories=None, prompt_token_ids=None):
+        if logits.shape[0] > 1:
+            sp = sp.clone()
+            for k, v in field_values.items():
+                setattr(sp, k, v)
+        return real(logits, sp, histories, prompt_token_ids)
+
+    return tree_sampler, real, lossy
+
+
+@pytest.mark.vllm
+@pytest.mark.stats
+@pytest.mark.parametrize("skipped", ["logit_bias", "penalties"])
+def test_sampling_check_detects_a_transform_skipped_on_tree_rows(setup, skipped):
+    """Negative control: the same check fails when tree rows ignore one transform."""
+    path, model, prompt = setup
+    fields = {"logit_bias": {"logit_bias": None},
+              "penalties": {"repetition_penalty": 1.0, "frequency_penalty": 0.0, "presence_penalty": 0.0}}[skipped]
+    mod, real, lossy = _skip_on_tree_rows(fields)
+    try:
+        run, counts = sample(path, prompt, MODES["deterministic"][0], [skipped], seed0=10_000,
+                             patches=[(mod, "request_target_probs", lossy)])
+    finally:
+        mod.request_target_probs = real
+    assert run.tree_stats["accepted"] > 0
+    assert check(model, prompt, skipped, counts[skipped]), "a lossy tree sampler passed the exact-law check"
 
 
 @pytest.mark.vllm
@@ -163,7 +270,5 @@ def test_sampling_check_detects_a_lossy_verifier(setup, monkeypatch):
 
     monkeypatch.setattr(tree_sampler, "verify_batch", lossy)
     path, model, prompt = setup
-    law = exact_law(model, prompt)
-    run, c12, c23 = sample(path, prompt, {"method": "tree", "drafter": "suffix", "tree": "s3_k3_d8",
-                                          "min_token_prob": 0.0})
-    assert chi_square_fit(c23, law["23"], N) < P_MIN
+    run, counts = sample(path, prompt, MODES["deterministic"][0], ["temperature"], seed0=20_000)
+    assert check(model, prompt, "temperature", counts["temperature"])

@@ -135,6 +135,20 @@ def test_edge_cases_match_no_speculation(server):
 
 
 @pytest.mark.vllm
+def test_min_p_and_logit_bias_are_served(server):
+    """vLLM refuses min_p and logit_bias under speculation (HTTP 400); a tree engine serves them (200)."""
+    model, base = server
+    client = _client(base)
+    out = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=16, temperature=1.0, seed=3,
+                                    logit_bias={"40": 5.0}, extra_body={"min_p": 0.2, "ignore_eos": True})
+    assert out.usage.completion_tokens == 16
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": PROMPTS[1]}],
+                                          max_tokens=8, temperature=0.9, logit_bias={"40": -100.0},
+                                          extra_body={"min_p": 0.05})
+    assert chat.usage.completion_tokens >= 1
+
+
+@pytest.mark.vllm
 @pytest.mark.parametrize("spec,needle", [
     ({"method": "tree", "drafter": "suffix", "tree": "s3_k2_d99"}, "key 'tree'"),
     ({"method": "tree", "drafter": "ngram", "tree": "chain:4", "num_speculative_tokens": 2}, "num_speculative_tokens"),

@@ -17,7 +17,7 @@
         Removal: a `_make_model_runner` hook on CPUWorker (GPU's Worker has one; TreeGPUWorker uses it).
     P4  Model-runner method overrides in TreeRunnerMixin (propose_draft_token_ids, _update_states,
         _prepare_inputs, _build_attention_metadata, _model_forward, _sample, initialize_kv_cache,
-        _input_fits_in_drafter, load_model),
+        _input_fits_in_drafter, load_model, _bookkeeping_sync),
         on a subclass used only by tree engines; model-specific adapters hook in there (DeepSeek-V4: integration/dsv4/,
         whose own touch points D1-D5 are recorded in its package docstring)
         Why: depth positions, tree masks, tree verification and KV compaction have no upstream hooks.
@@ -29,6 +29,11 @@
         _model_forward runs vLLM's forward, then checks that every attention layer of the target applied
         the tree mask in a step with trees (each override marks the step: no silent causal fallback).
         Removal: a tree-mask argument in the attention ops (P2), which would make a lost mask impossible.
+        _sample samples every row itself, steps without trees included: vLLM's chain RejectionSampler
+        crashes on vLLM-cpu when a step has spec-decode metadata and no drafts (empty top-k input), and its
+        Sampler lacks min-p / logit bias under speculation. _bookkeeping_sync hides the generators of
+        discarded partial-prefill rows (which draw nothing) from vLLM's Philox rewind, which CPU generators
+        do not support. Removal: the upstream fixes, or a sampler hook on the model runner.
 
     P5  (launcher.py) the `vllm-cpu` distribution name, for `vllm-tree-spec serve`.
     P6  vllm.utils.cpu_triton_utils._expand_kernel_impl, only with VLLM_TREE_SPEC_FIX_CPU_EXPAND=1
@@ -42,11 +47,14 @@
 
     G   (vllm_guard.py) reads, changes nothing: at start-up of a tree engine, refuses an untested vLLM
         version (VLLM_TREE_SPEC_ALLOW_UNTESTED_VLLM=1: a warning) and any overridden method (P1-P4, D2-D3,
-        derived from our classes) or patched attribute (P2, P3, D5) that is missing or has other parameters
+        derived from our classes) or patched method (P1, P8) or attribute (P2, P3, D5) that is missing or has other parameters
         than in vLLM 0.32.0. Why: the hooks above are private. Removal: upstream tree hooks.
 
-`install()` is what the plugin entry point calls; it applies P1 (inert unless a tree config is given)
-and P6 (only when its variable is set). P2-P4 happen in the worker that P1 selects, i.e. only in
+    P8  (request_validation.py) SamplingParams._validate_spec_decode, for tree engines only: min_p and
+        logit_bias are accepted (the tree sampler applies them on every row).
+
+`install()` is what the plugin entry point calls; it applies P1 (inert unless a tree config is given),
+P6 (only when its variable is set) and P8 (inert unless the engine is a tree engine). P2-P4 happen in the worker that P1 selects, i.e. only in
 tree engines.
 """
 
@@ -65,4 +73,7 @@ def install() -> None:
     from vllm_tree_spec.integration import vllm_cpu_fixes
 
     vllm_cpu_fixes.install_if_requested()
+    from vllm_tree_spec.integration import request_validation
+
+    request_validation.install()
     _installed = True

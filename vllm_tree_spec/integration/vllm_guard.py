@@ -50,6 +50,8 @@ _RUNNER = {  # P4: TreeRunnerMixin, as GPUModelRunner defines these (CPUModelRun
         "num_scheduled_tokens", "slot_mappings"),
     "_model_forward": ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds", "model_kwargs"),
     "_sample": ("self", "logits", "spec_decode_metadata"),
+    "_bookkeeping_sync": (
+        "self", "scheduler_output", "sampler_output", "logits", "hidden_states", "num_scheduled_tokens"),
 }
 _CPU_RUNNER = {**_RUNNER, "load_model": ("self", "load_dummy_weights")}  # CPUModelRunner's own load_model
 
@@ -61,6 +63,8 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
         "self", "target_model_config", "target_parallel_config"),
     **{f"vllm.v1.worker.gpu_model_runner.GPUModelRunner.{k}": v for k, v in _RUNNER.items()},
     **{f"vllm.v1.worker.cpu_model_runner.CPUModelRunner.{k}": v for k, v in _CPU_RUNNER.items()},
+    # P8: request validation (wrapped, same parameters)
+    "vllm.sampling_params.SamplingParams._validate_spec_decode": ("self", "speculative_config"),
     # P3 / workers
     "vllm.v1.worker.cpu_worker.CPUWorker.load_model": ("self", "load_dummy_weights"),
     "vllm.v1.worker.cpu_worker.CPUWorker.init_device": ("self",),
@@ -83,6 +87,10 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     "vllm.models.deepseek_v4.cpu.cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler": (
         "self", "num_decode_tokens"),
 }
+
+# Methods patched at class level rather than overridden by a subclass of ours (P1, P8).
+PATCHED_METHODS = [("vllm.engine.arg_utils.EngineArgs", "create_speculative_config"),
+                   ("vllm.sampling_params.SamplingParams", "_validate_spec_decode")]
 
 # Module attributes we rebind or rely on (P1 route, P2 registry, P3, D5): existence only.
 ATTRIBUTES: dict[str, tuple[str, ...]] = {
@@ -210,7 +218,7 @@ def api_problems(*, platform: str = "cpu", dsv4: bool = False) -> list[str]:
         targets = overrides(platform=platform, dsv4=dsv4)
     except ImportError as e:
         return [f"a vLLM module the tree classes build on cannot be imported ({e})"]
-    targets.append(("vllm.engine.arg_utils.EngineArgs", "create_speculative_config"))
+    targets += PATCHED_METHODS
     for cls_path, name in targets:
         path = f"{cls_path}.{name}"
         try:
