@@ -46,16 +46,18 @@
         Removal: an aux-hidden-states flag for custom_class proposers upstream.
 
     G   (vllm_guard.py) reads, changes nothing: at start-up of a tree engine, refuses an untested vLLM
-        version (VLLM_TREE_SPEC_ALLOW_UNTESTED_VLLM=1: a warning) and any overridden method (P1-P4, D2-D3,
-        derived from our classes) or patched method (P1, P8) or attribute (P2, P3, D5) that is missing or has other parameters
-        than in vLLM 0.32.0. Why: the hooks above are private. Removal: upstream tree hooks.
+        version (VLLM_TREE_SPEC_ALLOW_UNTESTED_VLLM=1: a warning) and any overridden method (P2-P4, D2-D3,
+        derived from our classes), patched method (P1, P8) or attribute (P2, P3, D5) that is missing or has
+        other parameters than in vLLM 0.32.0. Why: the hooks above are private. Removal: upstream tree hooks.
 
     P8  (request_validation.py) SamplingParams._validate_spec_decode, for tree engines only: min_p and
         logit_bias are accepted (the tree sampler applies them on every row).
+        Why: vLLM refuses both for every speculative method (its chain sampler lacks them).
+        Removal: per-method validation upstream (a proposer that declares which parameters it supports).
 
 `install()` is what the plugin entry point calls; it applies P1 (inert unless a tree config is given),
-P6 (only when its variable is set) and P8 (inert unless the engine is a tree engine). P2-P4 happen in the worker that P1 selects, i.e. only in
-tree engines.
+P6 (only when its variable is set) and P8 (inert unless the engine is a tree engine). P2-P4 happen in
+the worker that P1 selects, i.e. only in tree engines.
 """
 
 from __future__ import annotations
