@@ -422,6 +422,14 @@ class TreeRecord:
     accepted: list[int] = field(default_factory=list)
 
 
+def row_starts(spec_meta) -> list[int]:
+    """First logits row of each request in a speculative step (request-major, 1 + n_b rows each)."""
+    starts = [0]
+    for n in list(spec_meta.num_draft_tokens)[:-1]:
+        starts.append(starts[-1] + n + 1)
+    return starts
+
+
 def record_tree_steps(records: list, snaps: dict | None = None):
     """on_llm: record every tree step's rows (log-probs) and, after each refresh, the request's caches."""
 
@@ -434,10 +442,7 @@ def record_tree_steps(records: list, snaps: dict | None = None):
         pending: dict[str, TreeRecord] = {}
 
         def tree_sample(rnr, logits, spec_meta, step):
-            num_draft = list(spec_meta.num_draft_tokens)
-            starts = [0]
-            for n in num_draft[:-1]:
-                starts.append(starts[-1] + n + 1)
+            starts = row_starts(spec_meta)
             for r in step.requests:
                 rows = logits[starts[r.req_index]: starts[r.req_index] + r.num_nodes + 1].float()
                 ctx = rnr.input_batch.token_ids_cpu[r.req_index, : r.root_pos + 1].tolist()
@@ -490,10 +495,7 @@ def emulate_amx_flips(flips: list, max_flips_per_request: int = 1, margin: float
         done: dict[str, int] = {}
 
         def tree_sample(rnr, logits, spec_meta, step):
-            num_draft = list(spec_meta.num_draft_tokens)
-            starts = [0]
-            for n in num_draft[:-1]:
-                starts.append(starts[-1] + n + 1)
+            starts = row_starts(spec_meta)
             for r in step.requests:
                 if done.get(r.req_id, 0) >= max_flips_per_request:
                     continue
