@@ -421,7 +421,8 @@ def reproduce_command(args: argparse.Namespace, config: Config) -> str:
                       ("--fallback-budgets", args.fallback_budgets if config.kind.endswith("fallback") else None),
                       ("--planned-tree", args.planned_tree if config.kind == "tree-draft-planned" else None),
                       ("--head", args.head if config.family == "eagle3" else None),
-                      ("--planned-tree", config.spec["tree"] if config.kind == "tree-eagle3-planned" else None),
+                      ("--planned-tree",
+                       (config.spec or {}).get("tree") if config.kind == "tree-eagle3-planned" else None),
                       ("--no-enable-prefix-caching", True if args.no_enable_prefix_caching else None),
                       ("--out", args.out)):
         if val is True:
@@ -511,7 +512,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise SystemExit(f"--top-k {args.top_k}: must be >= 1")
     if args.repeats < 1:
         raise SystemExit(f"--repeats {args.repeats}: must be >= 1")
-    if args.profile_prompts < 1 or args.profile_ranks < 1 or (args.profile_depth is not None and args.profile_depth < 1):
+    if min(args.profile_prompts, args.profile_ranks, 1 if args.profile_depth is None else args.profile_depth) < 1:
         raise SystemExit("--profile-prompts, --profile-ranks and --profile-depth must be >= 1")
     return args
 
@@ -674,12 +675,14 @@ def main(argv=None) -> int:
     by_id = {p.id: p for p in pool[:end]}
     if wants_profile and args.profile:
         planned = planned_from_profile(args, out, budgets, json.loads(Path(args.profile).read_text()),
-                                       {"reused": str(args.profile)})
+                                       {"reused": str(args.profile)}, write=not args.dry_run)
     if not args.base_url:
         # before the profile is measured, the planned rows are listed but not built
         configs = make_configs([k for k in kinds if planned is not None or k != "tree-eagle3-planned"], budgets,
                                draft_path, fallback, planned, args.head)
-    print(f"{len(configs)} configuration(s) x {len(runs)} run(s) x {args.repeats} repeat(s); model {args.model}; "
+    later = len(budgets) if profile_run else 0  # the planned rows, built once the profile is measured
+    print(f"{len(configs) + later} configuration(s) x {len(runs)} run(s) x {args.repeats} repeat(s)"
+          + (f" (+ {args.profile_ranks} probe servers first)" if profile_run else "") + f"; model {args.model}; "
           f"pool {len(pool)} prompts ({args.datasets}); max_tokens {args.max_tokens}; {sampling_label(args)}; "
           f"prefix caching {'off' if args.no_enable_prefix_caching else 'on (vLLM default)'}; out {out}", flush=True)
     for c in configs:
@@ -751,14 +754,17 @@ def main(argv=None) -> int:
     return 1 if failures else 0
 
 
-def planned_from_profile(args, out: Path, budgets: list[int], profile: dict, source: dict) -> dict[int, str]:
+def planned_from_profile(args, out: Path, budgets: list[int], profile: dict, source: dict,
+                         write: bool = True) -> dict[int, str]:
     """Plan the D-node trees on a profile ({"table": a[d][r], ...}), store profile + trees in OUT, return the paths."""
     from eagle3_profile import paths_str, plan, write_profile
 
     trees = plan(profile["table"], budgets)
     src = {**profile.get("source", {}), **source,
-           "title": f"EAGLE-3 head {Path(str(args.head)).name}: acceptance profile ({sampling_label(args)})"}
-    write_profile(out, {k: v for k, v in profile.items() if k != "source"}, trees, src)
+           "title": f"EAGLE-3 head {'/'.join(Path(str(args.head)).parts[-2:])}: acceptance profile "
+                    f"({sampling_label(args)})"}
+    if write:
+        write_profile(out, {k: v for k, v in profile.items() if k != "source"}, trees, src)
     return {d: paths_str(t["paths"]) for d, t in trees.items()}
 
 

@@ -460,6 +460,7 @@ def plots(runs: list[dict], rs: list[dict], out: Path) -> list[str]:
             probs = r["accept_prob_per_depth"]
             ax.plot(range(1, len(probs) + 1), probs, "--" if r["style"] == "linear" else "-", marker="o",
                     label=f"{name} @ {r['key']}")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_xlabel("depth d (draft position)")
         ax.set_ylabel("P(round accepts a token at depth d)")
         ax.set_ylim(0, 1)
@@ -514,9 +515,11 @@ def profile_section(out: Path, rs: list[dict]) -> list[str]:
     prof = json.loads(pf.read_text())
     table, src = prof["table"], prof.get("source", {})
     ranks = max((len(r) for r in table), default=0)
+    sl = src.get("prompts")
+    where = f"pool prompts [{sl[0]}, {sl[1]})" if sl else "its own prompts"
     md = ["## EAGLE-3 acceptance profile and planned trees", "",
-          f"Measured by probe servers ({src.get('method', 'eagle3_profile.py')}) on prompts "
-          f"{src.get('prompts')} (disjoint from warm-up and the measured slices), head `{src.get('head')}`"
+          f"Measured by probe servers ({src.get('method', 'eagle3_profile.py')}) on {where} (disjoint from warm-up "
+          f"and the measured slices), head `{src.get('head')}`"
           + (f"; reused from `{src['reused']}`" if src.get("reused") else "") + ". a[d][r] = P(the rank-r child of "
           "an accepted depth-(d-1) node is the accepted one); plot: [acceptance_profile.png](acceptance_profile.png).",
           "", "| depth | " + " | ".join(f"rank {r}" for r in range(ranks)) + " | sum |",

@@ -481,6 +481,21 @@ def test_eagle3_dry_run_plans_and_head_default(monkeypatch, tmp_path, capsys):
     text = capsys.readouterr().out
     assert "profile:" not in text and '"tree": "[(0,), (1,), (0, 0), (0, 0, 0)]"' in text
 
+    # a stored profile is planned on without probes (and a dry run writes nothing)
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"table": [[0.4, 0.2, 0.1]] * 3}))
+    assert bench_serve.main(["--configs", "tree-eagle3-planned", "--budgets", "4", "--model", "m", "--head",
+                             str(head), "--no-enable-prefix-caching", "--datasets", "math", "--dry-run",
+                             "--profile", str(prof), "--out", str(tmp_path / "q")]) == 0
+    text = capsys.readouterr().out
+    assert "profile:" not in text and '"tree": "[(0,), (1,), (2,), (0, 0)]"' in text
+    assert not (tmp_path / "q").exists()
+    # a planned row whose profile failed is still a recorded row (no spec, so no tree in its command)
+    args = bench_serve.parse_args(["--head", str(head), "--no-enable-prefix-caching"])
+    row = bench_serve.failed_row(args, bench_serve.Config("tree-eagle3-planned-D4", "tree-eagle3-planned", 4, None),
+                                 bench_serve.RunPlan("concurrency", 1.0, 2, 1), {}, RuntimeError("probe failed"))
+    assert row["failed"] == "RuntimeError: probe failed" and "--planned-tree" not in row["reproduce"]
+
     # no --head and no shipped head: an error that names --head
     monkeypatch.setattr(bench_serve, "ROOT", tmp_path)
     monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 2, "", "no such name"))
