@@ -2,6 +2,7 @@
 
     python benchmarks/serve/bench_serve.py --preset cpu-d6          # the recorded CPU run (docs/benchmarks.md)
     python benchmarks/serve/bench_serve.py --preset gpu-full        # D 4..8, concurrency 1..64, rate mode
+    python benchmarks/serve/bench_serve.py --preset cpu-eagle3      # EAGLE-3 head vs vLLM's linear eagle3 (--head)
     python benchmarks/serve/bench_serve.py --configs off,linear-suffix,tree-suffix --budgets 6 \\
         --concurrency 1,4 --num-prompts 8,16 --max-tokens 128 --out runs/serve/mine
     python benchmarks/serve/bench_serve.py --base-url http://127.0.0.1:8000 --label my-server ...
@@ -9,7 +10,8 @@
 
 For every configuration a server is started the way users start one (`vllm-tree-spec serve MODEL
 --speculative-config ...`, the CPU stand-in for `vllm serve`; vllm_tree_spec/serve_launch.py), with the
-same model, dtype, context length, seed, scheduler limits, prefix caching (vLLM's default: on) and
+same model, dtype, context length, seed, scheduler limits, prefix caching (vLLM's default: on; off
+for eagle3 benchmarks, below) and
 chat template; only `--speculative-config` differs. Then it gets a warm-up on prompts outside the
 measured set and one or more runs, each in one load mode:
 
