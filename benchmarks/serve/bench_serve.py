@@ -2,6 +2,7 @@
 
     python benchmarks/serve/bench_serve.py --preset cpu-d6          # the recorded CPU run (docs/benchmarks.md)
     python benchmarks/serve/bench_serve.py --preset gpu-full        # D 4..8, concurrency 1..64, rate mode
+    python benchmarks/serve/bench_serve.py --preset cpu-eagle3      # EAGLE-3 head vs vLLM's linear eagle3 (--head)
     python benchmarks/serve/bench_serve.py --configs off,linear-suffix,tree-suffix --budgets 6 \\
         --concurrency 1,4 --num-prompts 8,16 --max-tokens 128 --out runs/serve/mine
     python benchmarks/serve/bench_serve.py --base-url http://127.0.0.1:8000 --label my-server ...
@@ -9,7 +10,8 @@
 
 For every configuration a server is started the way users start one (`vllm-tree-spec serve MODEL
 --speculative-config ...`, the CPU stand-in for `vllm serve`; vllm_tree_spec/serve_launch.py), with the
-same model, dtype, context length, seed, scheduler limits, prefix caching (vLLM's default: on) and
+same model, dtype, context length, seed, scheduler limits, prefix caching (vLLM's default: on; off
+for eagle3 benchmarks, below) and
 chat template; only `--speculative-config` differs. Then it gets a warm-up on prompts outside the
 measured set and one or more runs, each in one load mode:
 
@@ -45,6 +47,22 @@ Configurations (`--configs`, D from `--budgets`):
                            rejection at T > 0; filled by rank for greedy requests)
     tree-draft-planned     tree drafter `draft_model`, the static tree given by --planned-tree (e.g. the planner's
                            Sequoia-optimal tree for the acceptance measured by the linear-draft run)
+    linear-eagle3          vLLM `eagle3` with the head --head, chain of D (argmax drafts, q one-hot)
+    linear-eagle3-prob     the same with "draft_sample_method": "probabilistic" (drafts sampled from q, p/q test):
+                           vLLM's strongest linear setting at T > 0 (identical to linear-eagle3 for greedy requests)
+    tree-eagle3-dynamic    tree drafter `eagle3` (same head), EAGLE-2 dynamic shape with D draft nodes
+    tree-eagle3-planned    tree drafter `eagle3`, the Sequoia-optimal static D-node tree for the head's acceptance
+                           profile, measured first by probe servers on a slice of its own (eagle3_profile.py;
+                           --profile reuses a profile.json, --planned-tree gives the tree outright)
+    tree-eagle3-sampled    tree drafter `eagle3`, the static tree with children sampled from q without replacement
+                           (recursive rejection at T > 0; filled by rank for greedy requests)
+
+EAGLE-3 tree servers refuse prefix caching (the head needs the target's features at every committed position),
+so every server of an eagle3 benchmark, `off` and the linear rows included, runs with --no-enable-prefix-caching
+(the eagle3 presets set it). Its prompts must lie inside the slices the head's training reserves for
+benchmarks (training/eagle3/train_eagle3.py, BENCH_SEEDS / BENCH_RESERVE): checked before anything starts.
+--repeats N runs every configuration N times, interleaved (repeat i starts every configuration's server in
+turn, odd repeats in reverse order); the report takes medians and median ratios over the repeats.
 
 Model-free drafters (suffix, ngram) build data-dependent trees (the shape follows the matches), so
 "static vs dynamic" applies to the draft-model rows only.
@@ -75,10 +93,18 @@ from serve_datasets import DATASETS, Prompt, build_pool, distribution, extract_c
 
 CONFIG_KINDS = ("off", "linear-suffix", "tree-suffix", "tree-suffix-fallback", "linear-suffix-wide", "tree-suffix-wide",
                 "linear-ngram", "tree-ngram", "tree-ngram-fallback", "linear-draft", "linear-draft-prob",
-                "tree-draft-static", "tree-draft-dynamic", "tree-draft-sampled", "tree-draft-planned")
+                "tree-draft-static", "tree-draft-dynamic", "tree-draft-sampled", "tree-draft-planned",
+                "linear-eagle3", "linear-eagle3-prob", "tree-eagle3-dynamic", "tree-eagle3-planned",
+                "tree-eagle3-sampled")
+EAGLE3_KINDS = tuple(k for k in CONFIG_KINDS if "-eagle3" in k)
 WIDE_SUFFIX = {"max_spec_factor": 4.0, "min_token_prob": 0.0}  # lets suffix drafts use the whole budget
 CPU_FIX_ENV = "VLLM_TREE_SPEC_FIX_CPU_EXPAND"  # vllm_tree_spec/integration/vllm_cpu_fixes.py
 STATIC_PROFILE = ([0.6, 0.15, 0.05], 0.9)  # rank acceptance, depth decay: the static tree's design profile
+
+EAGLE3_GREEDY = "off,linear-eagle3,tree-eagle3-dynamic,tree-eagle3-planned,tree-eagle3-sampled"
+EAGLE3_SAMPLED = "off,linear-eagle3,linear-eagle3-prob,tree-eagle3-dynamic,tree-eagle3-planned,tree-eagle3-sampled"
+PROFILE_RANKS = 3  # probe servers R = 1..3 (eagle3_profile.py): the profile's sibling ranks
+PROFILE_MAX_DEPTH = 8
 
 PRESETS: dict[str, dict] = {
     # The run recorded in docs/benchmarks.md: 2 CPU cores, SmolLM2-135M, D = 6, concurrency 1 and 4.
@@ -95,6 +121,20 @@ PRESETS: dict[str, dict] = {
                      budgets="4,5,6,7,8", concurrency="1,2,4,8,16,32,64", request_rate="1,4,16",
                      num_prompts="32", prompts_per_slot=4, max_tokens=512, warmup=4, max_num_seqs=64,
                      out="runs/serve/gpu-full"),
+    # EAGLE-3 head vs vLLM's linear EAGLE-3 at equal budget (issue 12 item 4). --head defaults to the shipped head.
+    # On 2 CPU cores (~20-30 min each): greedy, and the T = 1 variant against the probabilistic chain.
+    "cpu-eagle3": dict(configs=EAGLE3_GREEDY, budgets="4,6,8", concurrency="1,4", num_prompts="4,8", max_tokens=64,
+                       warmup=1, no_enable_prefix_caching=True, profile_prompts=6, out="runs/serve/cpu-eagle3"),
+    "cpu-eagle3-t1": dict(configs=EAGLE3_SAMPLED, budgets="6", concurrency="1,4", num_prompts="4,8", max_tokens=64,
+                          warmup=1, temperature=1.0, no_enable_prefix_caching=True, profile_prompts=6,
+                          out="runs/serve/cpu-eagle3-t1"),
+    # The issue's full grid (D 4..8, c 1/4/16, greedy and T = 1, 3 interleaved repeats): hours, idle machine.
+    "gpu-eagle3": dict(configs=EAGLE3_GREEDY, budgets="4,5,6,7,8", concurrency="1,4,16", num_prompts="16",
+                       prompts_per_slot=4, max_tokens=256, warmup=2, repeats=3, no_enable_prefix_caching=True,
+                       profile_prompts=32, out="runs/serve/gpu-eagle3"),
+    "gpu-eagle3-t1": dict(configs=EAGLE3_SAMPLED, budgets="4,5,6,7,8", concurrency="1,4,16", num_prompts="16",
+                          prompts_per_slot=4, max_tokens=256, warmup=2, repeats=3, temperature=1.0,
+                          no_enable_prefix_caching=True, profile_prompts=32, out="runs/serve/gpu-eagle3-t1"),
     # Smallest real run (tests, sanity): two configs, 2 prompts.
     "smoke": dict(configs="off,tree-suffix", budgets="4", concurrency="1", num_prompts="2", max_tokens=16,
                   warmup=1, out="runs/serve/smoke"),
@@ -113,7 +153,7 @@ class Config:
     spec: dict | None
 
     @property
-    def family(self) -> str:  # "suffix" | "ngram" | "draft" | "off" | "external"
+    def family(self) -> str:  # "suffix" | "ngram" | "draft" | "eagle3" | "off" | "external"
         return self.kind if self.kind in ("off", "external") else self.kind.split("-")[1]
 
     @property
@@ -132,13 +172,18 @@ def static_tree_paths(budget: int) -> tuple[list[list[int]], str]:
 
 
 def make_config(kind: str, budget: int, draft: str | None = None, fallback: dict | None = None,
-                planned: str | None = None) -> Config:
+                planned: str | dict[int, str] | None = None, head: str | None = None) -> Config:
+    """One configuration at budget D. `planned`: the planned tree's child-rank paths, one for every D or {D: paths}."""
     d = budget
+    if isinstance(planned, dict):
+        planned = planned.get(d)
     lookup = {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
     if kind == "off":
         return Config("off", kind, None, None)
     if (kind.endswith("-draft") or "-draft-" in kind) and not draft:
         raise ValueError(f"configuration {kind!r} needs --draft (truncate:N, noisy:S or a model directory)")
+    if "-eagle3" in kind and not head:
+        raise ValueError(f"configuration {kind!r} needs --head (an EAGLE-3 head directory)")
     spec = {
         "linear-suffix": {"method": "suffix", "num_speculative_tokens": d},
         "tree-suffix": {"method": "tree", "drafter": "suffix", "num_speculative_tokens": d},
@@ -154,6 +199,9 @@ def make_config(kind: str, budget: int, draft: str | None = None, fallback: dict
         # vLLM's default drafts the argmax (q one-hot); "probabilistic" samples q and tests p/q (T > 0)
         "linear-draft-prob": {"method": "draft_model", "model": draft, "num_speculative_tokens": d,
                               "draft_sample_method": "probabilistic"},
+        "linear-eagle3": {"method": "eagle3", "model": head, "num_speculative_tokens": d},
+        "linear-eagle3-prob": {"method": "eagle3", "model": head, "num_speculative_tokens": d,
+                               "draft_sample_method": "probabilistic"},
     }.get(kind)
     if kind in ("tree-draft-static", "tree-draft-dynamic", "tree-draft-sampled"):
         paths, shape = static_tree_paths(d)
@@ -162,6 +210,22 @@ def make_config(kind: str, budget: int, draft: str | None = None, fallback: dict
                     else {"tree": str([tuple(p) for p in paths]), "dynamic": False})
         if kind.endswith("sampled"):  # children drawn from q without replacement; SpecInfer's rule at T > 0
             spec["draft_sampling"] = "sample_without_replacement"
+    if kind in ("tree-eagle3-dynamic", "tree-eagle3-sampled"):
+        paths, shape = static_tree_paths(d)
+        spec = {"method": "tree", "drafter": "eagle3", "model": head, "num_speculative_tokens": d}
+        spec.update({"tree": shape, "dynamic": True} if kind.endswith("dynamic")
+                    else {"tree": str([tuple(p) for p in paths]), "dynamic": False,
+                          "draft_sampling": "sample_without_replacement"})
+    if kind == "tree-eagle3-planned":
+        if not planned:
+            raise ValueError("tree-eagle3-planned needs the head's acceptance profile (measured first unless "
+                             "--profile PROFILE.json or --planned-tree is given)")
+        from vllm_tree_spec.tree import Tree
+
+        if Tree.from_paths(planned).num_nodes > d:
+            raise ValueError(f"the planned tree for D = {d} has more than {d} nodes")
+        spec = {"method": "tree", "drafter": "eagle3", "model": head, "num_speculative_tokens": d,
+                "tree": planned, "dynamic": False}
     if kind == "tree-draft-planned":
         if not planned:
             raise ValueError("tree-draft-planned needs --planned-tree (child-rank paths, e.g. from "
@@ -186,11 +250,11 @@ def default_fallback(d: int) -> dict[int, int]:
 
 
 def make_configs(kinds: list[str], budgets: list[int], draft: str | None, fallback: dict | None,
-                 planned: str | None = None) -> list[Config]:
+                 planned: str | dict | None = None, head: str | None = None) -> list[Config]:
     out, seen = [], set()
     for kind in kinds:
         for d in ([0] if kind == "off" else budgets):
-            c = make_config(kind, d, draft, fallback, planned)
+            c = make_config(kind, d, draft, fallback, planned, head)
             if c.name not in seen:
                 seen.add(c.name)
                 out.append(c)
@@ -358,6 +422,10 @@ def reproduce_command(args: argparse.Namespace, config: Config) -> str:
                       ("--draft", args.draft if config.family == "draft" else None),
                       ("--fallback-budgets", args.fallback_budgets if config.kind.endswith("fallback") else None),
                       ("--planned-tree", args.planned_tree if config.kind == "tree-draft-planned" else None),
+                      ("--head", args.head if config.family == "eagle3" else None),
+                      ("--planned-tree",
+                       (config.spec or {}).get("tree") if config.kind == "tree-eagle3-planned" else None),
+                      ("--no-enable-prefix-caching", True if args.no_enable_prefix_caching else None),
                       ("--out", args.out)):
         if val is True:
             parts.append(flag)
@@ -403,6 +471,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--draft", help="draft for *-draft configs: truncate:N | noisy:S | a model directory")
     ap.add_argument("--planned-tree", help="tree-draft-planned: the static tree as child-rank paths, e.g. "
                                            "\"[(0,), (1,), (0, 0), (0, 0, 0)]\" (from vllm-tree-spec plan --json)")
+    ap.add_argument("--head", help="EAGLE-3 head directory for *-eagle3 configs (default: the shipped head, "
+                                   "`vllm-tree-spec model-path smollm2-eagle3`)")
+    ap.add_argument("--no-enable-prefix-caching", action="store_true", default=None,
+                    help="start every server with vLLM's --no-enable-prefix-caching (EAGLE-3 tree servers refuse "
+                         "prefix caching, so eagle3 benchmarks need it for all rows; the eagle3 presets set it)")
+    ap.add_argument("--repeats", type=int, help="run every configuration N times, interleaved (1)")
+    ap.add_argument("--profile", help="tree-eagle3-planned: reuse this profile.json (OUT/profile/) instead of "
+                                      "measuring the head's acceptance profile with probe servers")
+    ap.add_argument("--profile-prompts", type=int, help="tree-eagle3-planned: prompts of the probe slice (8)")
+    ap.add_argument("--profile-concurrency", type=int, help="probe runs' concurrency (default min(4, max-num-seqs))")
+    ap.add_argument("--profile-ranks", type=int, help=f"sibling ranks the probes measure ({PROFILE_RANKS})")
+    ap.add_argument("--profile-depth", type=int,
+                    help=f"probe depth (default the largest budget, at most {PROFILE_MAX_DEPTH})")
     ap.add_argument("--fallback-budgets", help='JSON {"batch size": nodes} for *-fallback configs '
                                                '(default {"4": D, "16": D//2, "64": 0})')
     ap.add_argument("--timeout", type=float, help="per-request timeout in seconds (600)")
@@ -417,6 +498,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     defaults = dict(configs="off,linear-suffix,tree-suffix", budgets="6", concurrency="1", request_rate="",
                     num_prompts="8", prompts_per_slot=2, max_tokens=128, datasets=",".join(DATASETS), warmup=1,
                     seed=0, temperature=0.0, max_model_len=2048, server_per="config", timeout=600.0,
+                    no_enable_prefix_caching=False, repeats=1, profile_prompts=8, profile_ranks=PROFILE_RANKS,
                     out="runs/serve/custom")
     preset = PRESETS.get(args.preset or "", {})
     for k, v in {**defaults, **preset}.items():
@@ -430,6 +512,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         raise SystemExit(f"--top-p {args.top_p}: must be in (0, 1]")
     if args.top_k is not None and args.top_k < 1:
         raise SystemExit(f"--top-k {args.top_k}: must be >= 1")
+    if args.repeats < 1:
+        raise SystemExit(f"--repeats {args.repeats}: must be >= 1")
+    if min(args.profile_prompts, args.profile_ranks, 1 if args.profile_depth is None else args.profile_depth) < 1:
+        raise SystemExit("--profile-prompts, --profile-ranks and --profile-depth must be >= 1")
     return args
 
 
@@ -460,9 +546,63 @@ def _server_for(args, config: Config, log_dir: str, max_num_seqs: int):
         return
     from vllm_tree_spec.serve_launch import launched
 
+    extra = ["--no-enable-prefix-caching"] if args.no_enable_prefix_caching else []
     with launched(args.model, config.spec, name=config.name, log_dir=log_dir, max_num_seqs=max_num_seqs,
-                  max_model_len=args.max_model_len) as server:
+                  max_model_len=args.max_model_len, extra_args=extra) as server:
         yield server
+
+
+def default_head() -> str:
+    """The shipped EAGLE-3 head for the embedded model (`vllm-tree-spec model-path smollm2-eagle3`), else an error."""
+    shipped = ROOT / "vllm_tree_spec" / "heads" / "smollm2-eagle3"
+    try:
+        r = subprocess.run([sys.executable, "-m", "vllm_tree_spec.cli", "model-path", "smollm2-eagle3"],
+                           capture_output=True, text=True, timeout=600)
+        path = r.stdout.strip().splitlines()[-1] if r.returncode == 0 and r.stdout.strip() else ""
+    except (OSError, subprocess.TimeoutExpired):
+        path = ""
+    for cand in (path, str(shipped)):
+        if cand and (Path(cand) / "config.json").exists():
+            return cand
+    raise SystemExit("eagle3 configurations need --head HEAD_DIR (the EAGLE-3 head directory vLLM's "
+                     '{"method": "eagle3", "model": HEAD} loads): no shipped head found '
+                     "(`vllm-tree-spec model-path smollm2-eagle3`, vllm_tree_spec/heads/smollm2-eagle3)")
+
+
+def training_reservation() -> tuple[range, int]:
+    """(benchmark seeds, ShareGPT prompts reserved per seed) from the EAGLE-3 training script, the one source."""
+    import importlib.util
+
+    path = ROOT / "training" / "eagle3" / "train_eagle3.py"
+    spec = importlib.util.spec_from_file_location("_train_eagle3", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # stdlib imports only at module level
+    return mod.BENCH_SEEDS, mod.BENCH_RESERVE
+
+
+def check_outside_training(prompts: list[Prompt], seed: int) -> int:
+    """Every prompt an eagle3 benchmark sends must be outside the head's training data.
+
+    Training excludes the first BENCH_RESERVE ShareGPT prompts of the pool's order for each seed in
+    BENCH_SEEDS (HumanEval and CHAMP are never trained on). The pool keeps each dataset's seeded order, so
+    the benchmark is inside the reservation iff its seed is one of those and it reads at most BENCH_RESERVE
+    ShareGPT prompts. Returns the ShareGPT prompts read.
+    """
+    seeds, reserve = training_reservation()
+    n = sum(p.dataset == "sharegpt" for p in prompts)
+    if seed not in seeds:
+        raise SystemExit(f"--seed {seed}: the EAGLE-3 head's training reserves benchmark prompts for seeds "
+                         f"{seeds.start}..{seeds.stop - 1} only (training/eagle3/train_eagle3.py BENCH_SEEDS); "
+                         "other seeds' slices may hold training prompts: pick one of those")
+    if n > reserve:
+        raise SystemExit(f"the runs read {n} ShareGPT prompts, but only the first {reserve} of seed {seed}'s order "
+                         "are kept out of the EAGLE-3 head's training (training/eagle3/train_eagle3.py "
+                         "BENCH_RESERVE): lower --num-prompts / --prompts-per-slot / --warmup / --profile-prompts")
+    return n
+
+
+def run_file(out: Path, config: Config, run: RunPlan, repeat: int, repeats: int) -> Path:
+    return out / "runs" / (f"{config.name}__{run.key}" + (f"__rep{repeat}" if repeats > 1 else "") + ".json")
 
 
 def main(argv=None) -> int:
@@ -495,14 +635,27 @@ def main(argv=None) -> int:
 
         # a synthetic draft is built once (~540 MB for SmolLM2) and cached next to the model; not on --dry-run
         draft_path = f"<draft {args.draft}>" if args.dry_run else str(make_draft(args.draft, args.model))
+    eagle3 = [k for k in kinds if k in EAGLE3_KINDS]
+    if eagle3 and not args.base_url:
+        args.head = args.head or default_head()
+        if not args.no_enable_prefix_caching:
+            raise SystemExit(f"configurations {eagle3} need --no-enable-prefix-caching: EAGLE-3 tree servers refuse "
+                             "prefix caching, and every server of the comparison (off and linear included) runs "
+                             "without it to be comparable (the eagle3 presets set it)")
     fallback = {int(k): int(v) for k, v in json.loads(args.fallback_budgets).items()} if args.fallback_budgets else None
+    # tree-eagle3-planned: the tree comes from the head's acceptance profile, measured first on its own slice
+    planned: str | dict | None = args.planned_tree
+    profile_run = None
+    wants_profile = "tree-eagle3-planned" in kinds and not args.base_url and not args.planned_tree
+    if wants_profile and not args.profile:
+        last = runs[-1]
+        profile_run = RunPlan("concurrency", float(args.profile_concurrency or min(4, max_seqs)),
+                              args.profile_prompts, last.offset + last.num_prompts)
     if args.base_url:  # one configuration: the running server; --configs (one kind) labels it for comparisons
         kind = kinds[0] if len(kinds) == 1 else "external"
         budget = budgets[0] if kind not in ("off", "external") and budgets else None
         name = args.label or (kind if budget is None else f"{kind}-D{budget}")
         configs = [Config(name, kind, budget, json.loads(args.spec) if args.spec else None)]
-    else:
-        configs = make_configs(kinds, budgets, draft_path, fallback, args.planned_tree)
 
     if args.temperature and not args.no_vllm_cpu_fix:
         # Every server of a sampled run gets the fix (it only changes vLLM's linear rejection sampler).
@@ -514,60 +667,138 @@ def main(argv=None) -> int:
     if earlier and check_one_sampling(earlier) != sampling_fields(args):
         raise SystemExit(f"{out} holds runs with sampling {check_one_sampling(earlier)}, this invocation samples "
                          f"with {sampling_fields(args)}: use another --out folder (one sampling setting per folder)")
-    (out / "runs").mkdir(parents=True, exist_ok=True)
-    log_dir = str(out / "logs")
     pool = build_pool([d.strip() for d in args.datasets.split(",") if d.strip()], seed=args.seed)
     need = runs[-1].offset + runs[-1].num_prompts
-    if need > len(pool):
-        raise SystemExit(f"the runs need {need} prompts, the pool has {len(pool)}")
+    end = profile_run.offset + profile_run.num_prompts if profile_run else need
+    if end > len(pool):
+        raise SystemExit(f"the runs need {end} prompts, the pool has {len(pool)}")
+    sharegpt_read = check_outside_training(pool[:end], args.seed) if eagle3 else None
     warm = pool[: args.warmup]
-    by_id = {p.id: p for p in pool[:need]}
-    env = environment(args.model)
-    print(f"{len(configs)} configuration(s) x {len(runs)} run(s); model {args.model}; pool {len(pool)} prompts "
-          f"({args.datasets}); max_tokens {args.max_tokens}; {sampling_label(args)}; out {out}", flush=True)
+    by_id = {p.id: p for p in pool[:end]}
+    if wants_profile and args.profile:
+        planned = planned_from_profile(args, out, budgets, json.loads(Path(args.profile).read_text()),
+                                       {"reused": str(args.profile)}, write=not args.dry_run)
+    if not args.base_url:
+        # before the profile is measured, the planned rows are listed but not built
+        configs = make_configs([k for k in kinds if planned is not None or k != "tree-eagle3-planned"], budgets,
+                               draft_path, fallback, planned, args.head)
+    later = len(budgets) if profile_run else 0  # the planned rows, built once the profile is measured
+    print(f"{len(configs) + later} configuration(s) x {len(runs)} run(s) x {args.repeats} repeat(s)"
+          + (f" (+ {args.profile_ranks} probe servers first)" if profile_run else "") + f"; model {args.model}; "
+          f"pool {len(pool)} prompts ({args.datasets}); max_tokens {args.max_tokens}; {sampling_label(args)}; "
+          f"prefix caching {'off' if args.no_enable_prefix_caching else 'on (vLLM default)'}; out {out}", flush=True)
     for c in configs:
         print(f"  {c.name:<28} {json.dumps(c.spec) if c.spec else '(no speculation)'}", flush=True)
     for r in runs:
         print(f"  run {r.key:<8} {r.mode} {r.level:g}: prompts [{r.offset}, {r.offset + r.num_prompts})", flush=True)
+    if profile_run:
+        depth = args.profile_depth or min(max(budgets), PROFILE_MAX_DEPTH)
+        print(f"  profile: probe trees R = 1..{args.profile_ranks} (depth {depth}) at c={profile_run.level:g}, "
+              f"prompts [{profile_run.offset}, {profile_run.offset + profile_run.num_prompts}); then "
+              + ", ".join(f"tree-eagle3-planned-D{d}" for d in budgets) + " on the planned trees", flush=True)
+    if sharegpt_read is not None:
+        print(f"  ShareGPT prompts read: {sharegpt_read} (inside the head's benchmark reservation)", flush=True)
     if args.dry_run:
         return 0
 
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    log_dir = str(out / "logs")
+    env = environment(args.model)
     from serve_report import write_report
     from tqdm import tqdm
 
     failures = 0
-    overall = tqdm(total=len(configs) * len(runs), desc="runs", unit="run", position=0, leave=True)
-    for config in configs:
-        groups = [runs] if args.server_per == "config" else [[r] for r in runs]
-        history: list[str] = []
-        for group in groups:
-            try:
-                with _server_for(args, config, log_dir, max_seqs) as server:
-                    base = args.base_url or server.base
+    if profile_run:
+        try:
+            planned = measure_profile(args, budgets, profile_run, pool, warm, by_id, env, log_dir, max_seqs)
+            configs = make_configs(kinds, budgets, draft_path, fallback, planned, args.head)
+        except Exception as e:  # recorded as failed planned rows; the other configurations still run
+            failures += 1
+            print(f"profile: FAILED: {e}", flush=True)
+            for d in budgets:
+                c = Config(f"tree-eagle3-planned-D{d}", "tree-eagle3-planned", d, None)
+                for run in runs:
+                    for rep in range(args.repeats):
+                        run_file(out, c, run, rep, args.repeats).write_text(
+                            json.dumps(failed_row(args, c, run, env, e, rep), indent=1))
+    overall = tqdm(total=len(configs) * len(runs) * args.repeats, desc="runs", unit="run", position=0, leave=True)
+    for rep in range(args.repeats):
+        # interleaved repeats: every configuration once per repeat, odd repeats in reverse (drift cancels)
+        for config in (configs if rep % 2 == 0 else configs[::-1]):
+            groups = [runs] if args.server_per == "config" else [[r] for r in runs]
+            history: list[str] = []
+            for group in groups:
+                try:
+                    with _server_for(args, config, log_dir, max_seqs) as server:
+                        base = args.base_url or server.base
+                        for run in group:
+                            row = measure(args, config, run, base, server, pool, warm, by_id, env, history, rep)
+                            run_file(out, config, run, rep, args.repeats).write_text(json.dumps(row, indent=1))
+                            history.append(run.key)
+                            overall.update(1)
+                            s = row["results"]
+                            overall.write(f"{config.name:<28} {run.key:<6} rep {rep} {s['output_tok_s'] or 0:8.1f} "
+                                          f"tok/s  tokens/round {_fmt(row['speculation']['tokens_per_round'])}  "
+                                          f"ok {s['completed']}/{s['requests']}")
+                except Exception as e:  # a server that fails to start: recorded, the other configs still run
+                    failures += 1
                     for run in group:
-                        path = out / "runs" / f"{config.name}__{run.key}.json"
-                        row = measure(args, config, run, base, server, pool, warm, by_id, env, history)
-                        path.write_text(json.dumps(row, indent=1))
-                        history.append(run.key)
+                        if run.key in history:
+                            continue
+                        run_file(out, config, run, rep, args.repeats).write_text(
+                            json.dumps(failed_row(args, config, run, env, e, rep), indent=1))
                         overall.update(1)
-                        s = row["results"]
-                        overall.write(f"{config.name:<28} {run.key:<6} {s['output_tok_s'] or 0:8.1f} tok/s  "
-                                      f"tokens/round {_fmt(row['speculation']['tokens_per_round'])}  "
-                                      f"ok {s['completed']}/{s['requests']}")
-            except Exception as e:  # a server that fails to start: recorded, the other configs still run
-                failures += 1
-                for run in group:
-                    if run.key in history:
-                        continue
-                    path = out / "runs" / f"{config.name}__{run.key}.json"
-                    path.write_text(json.dumps(failed_row(args, config, run, env, e), indent=1))
-                    overall.update(1)
-                overall.write(f"{config.name}: FAILED: {e}")
+                    overall.write(f"{config.name}: FAILED: {e}")
     overall.close()
     report = write_report(out)
     print()
     print(report)
     return 1 if failures else 0
+
+
+def planned_from_profile(args, out: Path, budgets: list[int], profile: dict, source: dict,
+                         write: bool = True) -> dict[int, str]:
+    """Plan the D-node trees on a profile ({"table": a[d][r], ...}), store profile + trees in OUT, return the paths."""
+    from eagle3_profile import paths_str, plan, write_profile
+
+    trees = plan(profile["table"], budgets)
+    src = {**profile.get("source", {}), **source,
+           "title": f"EAGLE-3 head {'/'.join(Path(str(args.head)).parts[-2:])}: acceptance profile "
+                    f"({sampling_label(args)})"}
+    if write:
+        write_profile(out, {k: v for k, v in profile.items() if k != "source"}, trees, src)
+    return {d: paths_str(t["paths"]) for d, t in trees.items()}
+
+
+def measure_profile(args, budgets, run: RunPlan, pool, warm, by_id, env, log_dir, max_seqs) -> dict[int, str]:
+    """Probe servers R = 1..ranks on the profile slice (eagle3_profile.py), then the planned tree per budget."""
+    from eagle3_profile import caterpillar_paths, paths_str, profile_from_probes
+
+    out = Path(args.out)
+    depth = args.profile_depth or min(max(budgets), PROFILE_MAX_DEPTH)
+    (out / "profile" / "runs").mkdir(parents=True, exist_ok=True)
+    per_depth, probes = {}, {}
+    for r in range(1, args.profile_ranks + 1):
+        paths = caterpillar_paths(r, depth)
+        spec = {"method": "tree", "drafter": "eagle3", "model": args.head, "num_speculative_tokens": len(paths),
+                "tree": paths_str(paths), "dynamic": False}
+        config = Config(f"probe-R{r}-L{depth}", "tree-eagle3-probe", len(paths), spec)
+        with _server_for(args, config, log_dir, max_seqs) as server:
+            row = measure(args, config, run, server.base, server, pool, warm, by_id, env, [])
+        (out / "profile" / "runs" / f"{config.name}__{run.key}.json").write_text(json.dumps(row, indent=1))
+        sp = row["speculation"]
+        if not sp.get("rounds"):
+            raise RuntimeError(f"probe {config.name} verified no draft (rounds 0); see {server.log_path}")
+        per_depth[r] = sp["accept_prob_per_depth"]
+        probes[config.name] = {"ranks": r, "paths": paths, "rounds": sp["rounds"],
+                               "accept_prob_per_depth": sp["accept_prob_per_depth"],
+                               "tokens_per_round": sp["tokens_per_round"]}
+    profile = profile_from_probes(per_depth, args.profile_ranks, depth)
+    source = {"head": args.head, "model": args.model, "sampling": sampling_fields(args), "depth": depth,
+              "ranks": args.profile_ranks, "prompts": [run.offset, run.offset + run.num_prompts],
+              "concurrency": run.level, "probes": probes, "date_utc": env.get("date_utc"),
+              "method": "eagle3_profile.py: a[d][r] = (P_d(r + 1) - P_d(r)) / A_{d-1} from caterpillar probes"}
+    return planned_from_profile(args, out, budgets, profile, source)
 
 
 def _served_model(base: str) -> str:
@@ -589,17 +820,19 @@ def _fmt(x) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def failed_row(args, config: Config, run: RunPlan, env: dict, err: Exception) -> dict:
+def failed_row(args, config: Config, run: RunPlan, env: dict, err: Exception, repeat: int = 0) -> dict:
     return {"config": {"name": config.name, "kind": config.kind, "family": config.family, "style": config.style,
                        "budget": config.budget, "spec": config.spec},
             "run": {"mode": run.mode, "level": run.level, "key": run.key, "num_prompts": run.num_prompts,
-                    "offset": run.offset, "sampling": sampling_fields(args)},
+                    "offset": run.offset, "sampling": sampling_fields(args), "repeat": repeat,
+                    "prefix_caching": not args.no_enable_prefix_caching},
             "environment": env, "failed": f"{type(err).__name__}: {err}",
             "command": shlex.join([sys.executable, *sys.argv]), "reproduce": reproduce_command(args, config),
             "results": None, "speculation": {"tokens_per_round": None}, "records": []}
 
 
-def measure(args, config: Config, run: RunPlan, base: str, server, pool, warm, by_id, env, history) -> dict:
+def measure(args, config: Config, run: RunPlan, base: str, server, pool, warm, by_id, env, history,
+            repeat: int = 0) -> dict:
     from serve_client import run_load
     from serve_metrics import MemorySampler, delta, snapshot, spec_summary, wait_idle
     from tqdm import tqdm
@@ -636,7 +869,8 @@ def measure(args, config: Config, run: RunPlan, base: str, server, pool, warm, b
                 "offset": run.offset, "prompt_ids": [p.id for p in prompts], "warmup_ids": [p.id for p in warm],
                 "earlier_runs_on_server": list(history), "max_tokens": args.max_tokens,
                 "sampling": sampling_fields(args),
-                "max_num_seqs": args.max_num_seqs, "server_per": args.server_per,
+                "max_num_seqs": args.max_num_seqs, "server_per": args.server_per, "repeat": repeat,
+                "repeats": args.repeats, "prefix_caching": not args.no_enable_prefix_caching,
                 "timeout_s": args.timeout, "loadavg_start": load_start, "loadavg_end": load_end},
         "server": None if server is None else {"command": server.command, "startup_s": server.startup_s,
                                                "log": server.log_path},

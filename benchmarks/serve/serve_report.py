@@ -5,6 +5,10 @@
 Reads OUT/runs/*.json (one per run, written by bench_serve.py). Quality is computed here, across runs:
 a run's greedy texts are compared prompt by prompt with the `off` run of the same load (same prompts).
 One folder holds one sampling setting (greedy, or one --temperature/--top-p/--top-k).
+With --repeats, a configuration's runs at one load are folded into one row (medians over the repeats), and
+tree / linear ratios are medians of the per-repeat ratios (repeat i of the tree against repeat i of linear:
+interleaved, so neighbours in time). EAGLE-3 folders also get the head's acceptance profile and planned trees
+(profile/profile.json, planned_trees.json, acceptance_profile.png; written by bench_serve.py).
 """
 
 from __future__ import annotations
@@ -19,6 +23,14 @@ TARGETS = {  # docs/benchmarks.md
     "throughput_gain_c4": 1.25,  # output tok/s, tree / linear at batch (concurrency) 4
     "throughput_ratio_c64": 1.00,  # never below linear at batch 64
 }
+EAGLE3_TARGETS = {  # issue 12: tree eagle3 / vLLM's linear eagle3 (at T > 0 its strongest setting, -prob)
+    "tokens_per_round_greedy_d6": 1.20,
+    "tokens_per_round_sampled_d6": 1.10,
+    "throughput_c1_c4": 1.15,  # output tok/s, c = 1 and c = 4
+    "throughput_per_cpu_s_c1_c4": 1.10,
+}
+REPEAT_METRICS = ("tokens_per_round", "candidates_per_round", "acceptance_rate", "output_tok_s", "requests_s",
+                  "tok_per_cpu_s", "tokens_per_step")
 
 
 def load_runs(out: Path) -> list[dict]:
@@ -53,19 +65,23 @@ def _identical(run: dict, base: dict | None) -> tuple[int, int] | None:
 
 
 def rows(runs: list[dict]) -> list[dict]:
-    offs = {r["run"]["key"]: r for r in runs if r["config"]["kind"] == "off" and not r.get("failed")}
+    offs = {(r["run"]["key"], r["run"].get("repeat", 0)): r for r in runs
+            if r["config"]["kind"] == "off" and not r.get("failed")}
     out = []
     for r in runs:
+        rep = r["run"].get("repeat", 0)
         res, spec = r.get("results") or {}, r.get("speculation") or {}
         tree = spec.get("tree") or {}
         stage = tree.get("stage_ms_per_step") or {}
         mem = r.get("memory") or {}
         he = r.get("humaneval") or {}
-        ident = None if r["config"]["kind"] == "off" else _identical(r, offs.get(r["run"]["key"]))
+        off = offs.get((r["run"]["key"], rep)) or next((o for (k, _), o in sorted(offs.items(), key=lambda x: x[0])
+                                                        if k == r["run"]["key"]), None)
+        ident = None if r["config"]["kind"] == "off" else _identical(r, off)
         out.append({
             "config": r["config"]["name"], "kind": r["config"]["kind"], "family": r["config"]["family"],
             "style": r["config"]["style"], "budget": r["config"]["budget"], "mode": r["run"]["mode"],
-            "level": r["run"]["level"], "key": r["run"]["key"], "failed": r.get("failed"),
+            "level": r["run"]["level"], "key": r["run"]["key"], "failed": r.get("failed"), "repeat": rep,
             "requests": res.get("requests"), "completed": res.get("completed"), "errors": res.get("errors"),
             "timeouts": res.get("timeouts"),
             "tokens_per_round": spec.get("tokens_per_round"), "candidates_per_round": spec.get("candidates_per_round"),
@@ -84,9 +100,53 @@ def rows(runs: list[dict]) -> list[dict]:
             "humaneval": (he.get("passed"), he.get("total")) if he else None,
             "input_tokens": _g(res, "lengths", "input_tokens"), "output_tokens": _g(res, "lengths", "output_tokens"),
         })
+    out = fold_repeats(out)
     order = {"off": 0, "linear": 1, "tree": 2}
     out.sort(key=lambda x: (x["mode"], x["level"], x["family"] if x["family"] != "off" else "",
                             x["budget"] or 0, order.get(x["style"], 3), x["config"]))
+    return out
+
+
+def _median(xs):
+    import statistics
+
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def fold_repeats(rs: list[dict]) -> list[dict]:
+    """One row per (configuration, load): medians over the repeats, the per-repeat values kept in `per_repeat`.
+
+    A failed repeat stays a row of its own (marked with its repeat) and is left out of the medians.
+    """
+    groups: dict[tuple, list[dict]] = {}
+    out = []
+    for r in rs:
+        if r["failed"]:
+            out.append({**r, "config": r["config"] + (f" (rep {r['repeat']})" if r["repeat"] else ""),
+                        "repeats": 1, "per_repeat": None})
+        else:
+            groups.setdefault((r["config"], r["key"]), []).append(r)
+    for group in groups.values():
+        group.sort(key=lambda r: r["repeat"])
+        row = dict(group[0])
+        row["repeats"] = len(group)
+        row["per_repeat"] = {g["repeat"]: {m: g[m] for m in REPEAT_METRICS} for g in group}
+        if len(group) > 1:
+            for m in REPEAT_METRICS:
+                row[m] = _median(g[m] for g in group)
+            for m in ("ttft_ms", "tpot_ms", "itl_ms", "itl_chunk_ms", "e2e_s"):
+                row[m] = [_median(g[m][i] for g in group) for i in range(2)]
+            for m in ("completed", "errors", "timeouts", "requests"):
+                row[m] = sum(g[m] or 0 for g in group)
+            idents = [g["identical"] for g in group if g["identical"] is not None]
+            row["identical"] = (sum(i[0] for i in idents), sum(i[1] for i in idents)) if idents else None
+            he = [g["humaneval"] for g in group if g["humaneval"] and g["humaneval"][0] is not None]
+            row["humaneval"] = (sum(h[0] for h in he), sum(h[1] for h in he)) if he else group[0]["humaneval"]
+            stages = [g["stage_ms_per_step"] for g in group if g["stage_ms_per_step"]]
+            row["stage_ms_per_step"] = ({k: _median(st[k] for st in stages) for k in stages[0]} if stages else None)
+            row["peak_rss_gib"] = max((g["peak_rss_gib"] or 0 for g in group), default=0) or None
+        out.append(row)
     return out
 
 
@@ -118,8 +178,9 @@ def markdown_table(rs: list[dict]) -> str:
                  else f"{r['identical'][0]}/{r['identical'][1]}")
         he = "-" if not r["humaneval"] or r["humaneval"][0] is None else f"{r['humaneval'][0]}/{r['humaneval'][1]}"
         load = f"c={r['level']:g}" if r["mode"] == "concurrency" else f"{r['level']:g} req/s"
+        name = r["config"] + (f" (median of {r['repeats']})" if r.get("repeats", 1) > 1 else "")
         lines.append("| " + " | ".join([
-            r["config"], load, f"{r['completed']}/{r['errors']}/{r['timeouts']}", _f(r["tokens_per_round"]),
+            name, load, f"{r['completed']}/{r['errors']}/{r['timeouts']}", _f(r["tokens_per_round"]),
             _f(r["candidates_per_round"]), _f(r["acceptance_rate"]), _f(r["tokens_per_step"]), _f(r["output_tok_s"], 1),
             _f(r["tok_per_cpu_s"], 1), _f(r["requests_s"], 3),
             _pair(r["ttft_ms"]), _pair(r["tpot_ms"], 1), _pair(r["itl_ms"], 1), _pair(r["e2e_s"], 2), stage,
@@ -136,32 +197,55 @@ def comparisons(rs: list[dict]) -> list[dict]:
         if r["style"] != "tree" or r["failed"]:
             continue
         twin = "linear-" + r["kind"][len("tree-"):]  # tree-suffix-wide -> linear-suffix-wide
-        lin = (idx.get((r["family"], "linear", r["budget"], r["key"], twin))
-               or idx.get((r["family"], "linear", r["budget"], r["key"], f"linear-{r['family']}")))
+        lins = [idx.get((r["family"], "linear", r["budget"], r["key"], twin))
+                or idx.get((r["family"], "linear", r["budget"], r["key"], f"linear-{r['family']}"))]
+        if r["family"] == "eagle3":  # against each linear eagle3 setting measured (default and probabilistic)
+            lins = [x for k, x in sorted(idx.items(), key=lambda kv: kv[0][4])
+                    if k[:4] == (r["family"], "linear", r["budget"], r["key"])] or [None]
         o = off.get(r["key"])
-        out.append({
-            "tree": r["config"], "linear": lin["config"] if lin else None, "family": r["family"],
-            "budget": r["budget"], "key": r["key"], "mode": r["mode"], "level": r["level"],
-            "accepted_length_ratio": _ratio(r["tokens_per_round"], lin and lin["tokens_per_round"]),
-            "tokens_per_step_ratio": _ratio(r["tokens_per_step"], lin and lin["tokens_per_step"]),
-            "throughput_ratio_vs_linear": _ratio(r["output_tok_s"], lin and lin["output_tok_s"]),
-            "cpu_efficiency_ratio_vs_linear": _ratio(r["tok_per_cpu_s"], lin and lin["tok_per_cpu_s"]),
-            "cpu_efficiency_ratio_vs_off": _ratio(r["tok_per_cpu_s"], o and o["tok_per_cpu_s"]),
-            "throughput_ratio_vs_off": _ratio(r["output_tok_s"], o and o["output_tok_s"]),
-            "linear_vs_off": _ratio(lin and lin["output_tok_s"], o and o["output_tok_s"]),
-            "tpot_p50_ratio_vs_linear": _ratio(r["tpot_ms"][0], lin and lin["tpot_ms"][0]),
-        })
+        for lin in lins:
+            out.append(_compare(r, lin, o))
     return out
+
+
+def _rratio(a: dict | None, b: dict | None, metric: str):
+    """a / b for one metric: the median of per-repeat ratios where both have the same repeats, else the ratio."""
+    if a is None or b is None:
+        return None
+    pa, pb = a.get("per_repeat") or {}, b.get("per_repeat") or {}
+    common = sorted(set(pa) & set(pb))
+    if len(common) > 1:
+        return _median(_ratio(pa[i][metric], pb[i][metric]) for i in common)
+    return _ratio(a[metric], b[metric])
+
+
+def _compare(r: dict, lin: dict | None, o: dict | None) -> dict:
+    """Tree row r against linear row lin (None: not measured) and off row o, same D and load."""
+    return {
+        "tree": r["config"], "linear": lin["config"] if lin else None, "family": r["family"],
+        "budget": r["budget"], "key": r["key"], "mode": r["mode"], "level": r["level"],
+        "accepted_length_ratio": _rratio(r, lin, "tokens_per_round"),
+        "tokens_per_step_ratio": _rratio(r, lin, "tokens_per_step"),
+        "throughput_ratio_vs_linear": _rratio(r, lin, "output_tok_s"),
+        "cpu_efficiency_ratio_vs_linear": _rratio(r, lin, "tok_per_cpu_s"),
+        "cpu_efficiency_ratio_vs_off": _rratio(r, o, "tok_per_cpu_s"),
+        "throughput_ratio_vs_off": _rratio(r, o, "output_tok_s"),
+        "linear_vs_off": _rratio(lin, o, "output_tok_s"),
+        "tpot_p50_ratio_vs_linear": _ratio(r["tpot_ms"][0], lin and lin["tpot_ms"][0]),
+        "linear_kind": lin["kind"] if lin else None,
+        "repeats": min(r["repeats"], lin["repeats"]) if lin else None,
+    }
 
 
 def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
-def targets(cmp: list[dict]) -> list[dict]:
-    """The issue's targets, evaluated on whatever was measured (None = not measured)."""
+def targets(cmp: list[dict], sampled: bool = False) -> list[dict]:
+    """The issues' targets, evaluated on whatever was measured (None = not measured)."""
     def pick(pred):
-        return [c for c in cmp if c["budget"] == TARGET_D and c["mode"] == "concurrency" and pred(c)]
+        return [c for c in cmp if c["budget"] == TARGET_D and c["mode"] == "concurrency" and c["family"] != "eagle3"
+                and pred(c)]
 
     out = []
     for c in pick(lambda c: c["accepted_length_ratio"] is not None):
@@ -178,6 +262,41 @@ def targets(cmp: list[dict]) -> list[dict]:
                     "value": c["throughput_ratio_vs_linear"], "cpu_value": c["cpu_efficiency_ratio_vs_linear"],
                     "threshold": TARGETS["throughput_ratio_c64"],
                     "met": c["throughput_ratio_vs_linear"] >= TARGETS["throughput_ratio_c64"]})
+    return out + eagle3_targets(cmp, sampled)
+
+
+def eagle3_baseline(cmp: list[dict], sampled: bool) -> list[dict]:
+    """Tree eagle3 rows against vLLM's strongest linear eagle3 at D = 6: greedy, linear-eagle3 (the probabilistic
+    chain drafts the argmax for greedy requests); sampled, linear-eagle3-prob where measured."""
+    want = ("linear-eagle3-prob", "linear-eagle3") if sampled else ("linear-eagle3", "linear-eagle3-prob")
+    best: dict[tuple, dict] = {}
+    for c in cmp:
+        if c["family"] != "eagle3" or c["budget"] != TARGET_D or c["mode"] != "concurrency" or not c["linear_kind"]:
+            continue
+        k = (c["tree"], c["key"])
+        if k not in best or want.index(c["linear_kind"]) < want.index(best[k]["linear_kind"]):
+            best[k] = c
+    return list(best.values())
+
+
+def eagle3_targets(cmp: list[dict], sampled: bool) -> list[dict]:
+    out = []
+    tpr = EAGLE3_TARGETS["tokens_per_round_sampled_d6" if sampled else "tokens_per_round_greedy_d6"]
+    for c in eagle3_baseline(cmp, sampled):
+        where = f"{c['tree']} vs {c['linear']} @ {c['key']}" + (f" (median of {c['repeats']})"
+                                                               if (c["repeats"] or 1) > 1 else "")
+        if c["accepted_length_ratio"] is not None:
+            out.append({"target": f"eagle3 tokens/round >= {tpr:.2f}x linear at D=6 "
+                                  f"({'T > 0, strongest linear' if sampled else 'greedy'})", "where": where,
+                        "value": c["accepted_length_ratio"], "threshold": tpr,
+                        "met": c["accepted_length_ratio"] >= tpr})
+        if c["level"] in (1, 4) and c["throughput_ratio_vs_linear"] is not None:
+            thr, cpu_thr = EAGLE3_TARGETS["throughput_c1_c4"], EAGLE3_TARGETS["throughput_per_cpu_s_c1_c4"]
+            cpu = c["cpu_efficiency_ratio_vs_linear"]
+            out.append({"target": f"eagle3 tok/s >= {thr:.2f}x linear and per CPU-s >= {cpu_thr:.2f}x at c=1, 4",
+                        "where": where, "value": c["throughput_ratio_vs_linear"], "cpu_value": cpu,
+                        "threshold": thr,
+                        "met": c["throughput_ratio_vs_linear"] >= thr and cpu is not None and cpu >= cpu_thr})
     return out
 
 
@@ -329,7 +448,30 @@ def plots(runs: list[dict], rs: list[dict], out: Path) -> list[str]:
         fig.savefig(out / "accepted_length_vs_budget.png", dpi=110)
         plt.close(fig)
         written.append("accepted_length_vs_budget.png")
-    # 3. inter-token latency CDF (per token), one panel per load level
+    # 3. acceptance per depth, P(round accepts depth d), per configuration at its lowest load
+    best: dict[str, dict] = {}
+    for r in ok:
+        if r["accept_prob_per_depth"] and (r["config"] not in best or (r["mode"], r["level"]) <
+                                           (best[r["config"]]["mode"], best[r["config"]]["level"])):
+            best[r["config"]] = r
+    if best:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for name, r in sorted(best.items()):
+            probs = r["accept_prob_per_depth"]
+            ax.plot(range(1, len(probs) + 1), probs, "--" if r["style"] == "linear" else "-", marker="o",
+                    label=f"{name} @ {r['key']}")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+        ax.set_xlabel("depth d (draft position)")
+        ax.set_ylabel("P(round accepts a token at depth d)")
+        ax.set_ylim(0, 1)
+        ax.set_title("Acceptance per depth (lowest load measured)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        fig.savefig(out / "acceptance_per_depth.png", dpi=110)
+        plt.close(fig)
+        written.append("acceptance_per_depth.png")
+    # 4. inter-token latency CDF (per token), one panel per load level
     keys = sorted({(r["run"]["mode"], r["run"]["level"]) for r in runs if r.get("records")})
     if keys:
         fig, axes = plt.subplots(1, len(keys), figsize=(5.2 * len(keys), 4.0), squeeze=False)
@@ -365,6 +507,42 @@ def _itl_token(rec: dict) -> list[float]:
 # ---------------------------------------------------------------------------
 
 
+def profile_section(out: Path, rs: list[dict]) -> list[str]:
+    """The EAGLE-3 head's measured profile a[d][r] and the planned trees: predicted vs measured tokens/round."""
+    pf, tf = out / "profile" / "profile.json", out / "planned_trees.json"
+    if not pf.exists():
+        return []
+    prof = json.loads(pf.read_text())
+    table, src = prof["table"], prof.get("source", {})
+    ranks = max((len(r) for r in table), default=0)
+    sl = src.get("prompts")
+    where = f"pool prompts [{sl[0]}, {sl[1]})" if sl else "its own prompts"
+    md = ["## EAGLE-3 acceptance profile and planned trees", "",
+          f"Measured by probe servers ({src.get('method', 'eagle3_profile.py')}) on {where} (disjoint from warm-up "
+          f"and the measured slices), head `{src.get('head')}`"
+          + (f"; reused from `{src['reused']}`" if src.get("reused") else "") + ". a[d][r] = P(the rank-r child of "
+          "an accepted depth-(d-1) node is the accepted one); plot: [acceptance_profile.png](acceptance_profile.png).",
+          "", "| depth | " + " | ".join(f"rank {r}" for r in range(ranks)) + " | sum |",
+          "|---|" + "---|" * (ranks + 1)]
+    for d, row in enumerate(table, 1):
+        md.append(f"| {d} | " + " | ".join(f"{x:.3f}" for x in row) + f" | {sum(row):.3f} |")
+    if tf.exists():
+        low: dict[str, dict] = {}
+        for r in rs:
+            if r["kind"] == "tree-eagle3-planned" and not r["failed"] and (
+                    r["config"] not in low or (r["mode"], r["level"]) < (low[r["config"]]["mode"],
+                                                                          low[r["config"]]["level"])):
+                low[r["config"]] = r
+        md += ["", "| D | planned tree (child-rank paths) | predicted tokens/round | predicted chain of D | "
+                   "measured tokens/round (lowest load) |", "|---|---|---|---|---|"]
+        for d, t in sorted(((int(k), v) for k, v in json.loads(tf.read_text())["trees"].items())):
+            m = low.get(f"tree-eagle3-planned-D{d}")
+            measured = f"{_f(m['tokens_per_round'], 3)} @ {m['key']}" if m else "-"
+            md.append(f"| {d} | `{[tuple(p) for p in t['paths']]}` | {t['expected_tokens_per_round']:.3f} | "
+                      f"{t['chain_expected_tokens_per_round']:.3f} | {measured} |")
+    return md + [""]
+
+
 def check_one_sampling(runs: list[dict]) -> dict:
     """A folder compares configurations under one sampling setting; mixing them would pair unlike runs."""
     kinds = {json.dumps(run_sampling(r), sort_keys=True) for r in runs if r.get("run")}
@@ -380,7 +558,7 @@ def write_report(out: Path | str) -> str:
     sampling = check_one_sampling(runs)
     rs = rows(runs)
     cmp = comparisons(rs)
-    ts = targets(cmp)
+    ts = targets(cmp, sampled=bool(sampling.get("temperature")))
     pngs = plots(runs, rs, out) if runs else []
     env = next((r["environment"] for r in runs if r.get("environment")), {})
     host, ver = env.get("host", {}), env.get("versions", {})
@@ -417,6 +595,7 @@ def write_report(out: Path | str) -> str:
         "",
         targets_table(ts),
         "",
+        *profile_section(out, rs),
         "## Prompt lengths (server-counted tokens, chat template included)",
         "",
         lengths_table(runs),

@@ -14,6 +14,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 # the `bench` extra (pip install -e ".[bench]"); without it the serving benchmark cannot run at all
@@ -242,7 +243,7 @@ def test_metrics_parser_and_config_catalogue():
     assert metric_by_label(m, "y", "stage") == {"draft": 0.5, "verify": 0.001}
     for kind in CONFIG_KINDS:
         c = make_config(kind, 6, draft="/tmp/draft" if "draft" in kind else None,
-                        planned="[(0,), (1,), (0, 0), (0, 0, 0)]")
+                        planned="[(0,), (1,), (0, 0), (0, 0, 0)]", head="/tmp/head" if "eagle3" in kind else None)
         if c.spec and c.spec["method"] == TREE_METHOD:
             cfg = parse_tree_config(c.spec)  # every tree configuration is valid at start-up
             assert cfg.max_nodes <= 6 and cfg.num_slots == 6
@@ -344,3 +345,195 @@ def test_sampled_runs_fix_vllm_cpu_expand_for_every_server(fake_server, tmp_path
                              "--no-vllm-cpu-fix", *common]) == 0
     row = json.loads((tmp_path / "b" / "runs" / "off__c1.json").read_text())
     assert bench_serve.CPU_FIX_ENV not in row["environment"]["env"] and "--no-vllm-cpu-fix" in row["reproduce"]
+
+
+# ---------------------------------------------------------------------------
+# EAGLE-3 configurations (issue 12 item 4)
+
+A_TRUE = [[0.5, 0.2, 0.1], [0.45, 0.2, 0.1], [0.4, 0.15, 0.1], [0.35, 0.15, 0.05]]  # a[d][r] the fake head "has"
+
+
+def _probe_counters(ranks: int, depth: int, rounds: float = 10.0) -> dict:
+    """vLLM's per-position counters a caterpillar probe with `ranks` children per spine node would export."""
+    import eagle3_profile  # noqa: F401  (benchmarks/serve on sys.path)
+
+    out = {'vllm:spec_decode_num_drafts_total{engine="0"}': rounds,
+           'vllm:spec_decode_num_draft_tokens_total{engine="0"}': rounds * ranks * depth,
+           'vllm:iteration_tokens_total_count{engine="0"}': rounds}
+    spine, acc = 1.0, 0.0
+    for d in range(1, depth + 1):
+        row = A_TRUE[min(d, len(A_TRUE)) - 1]
+        p_d = spine * sum(row[:ranks])
+        out[f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",position="{d - 1}"}}'] = rounds * p_d
+        acc += rounds * p_d
+        spine *= row[0]
+    out['vllm:spec_decode_num_accepted_tokens_total{engine="0"}'] = acc
+    return out
+
+
+def _chain_counters(tokens_per_round: float) -> dict:
+    return {'vllm:spec_decode_num_drafts_total{engine="0"}': 10.0,
+            'vllm:spec_decode_num_draft_tokens_total{engine="0"}': 60.0,
+            'vllm:spec_decode_num_accepted_tokens_total{engine="0"}': 10.0 * (tokens_per_round - 1),
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",position="0"}': 6.0,
+            'vllm:iteration_tokens_total_count{engine="0"}': 10.0}
+
+
+def test_eagle3_benchmark_end_to_end_with_fake_servers(fake_server, monkeypatch, tmp_path):
+    """Probes -> measured profile -> planned tree -> interleaved repeats -> report, servers faked at `launched`."""
+    import os
+    import types
+    from contextlib import contextmanager
+
+    import bench_serve
+    from eagle3_profile import paths_str, plan
+
+    from vllm_tree_spec import serve_launch
+    from vllm_tree_spec.tree import Tree
+
+    head = tmp_path / "head"
+    head.mkdir()
+    launches = []
+
+    @contextmanager
+    def fake_launched(model, spec, *, name, log_dir, max_num_seqs, max_model_len, extra_args=()):
+        launches.append((name, spec, list(extra_args)))
+        if spec is None:
+            counters = {}
+        elif name.startswith("probe-"):
+            tree = Tree.from_paths(spec["tree"])
+            counters = _probe_counters(int((tree.depth == 1).sum()), tree.max_depth)
+        else:
+            counters = _chain_counters(2.5 if spec["method"] == "tree" else 2.0)
+        base = fake_server(tokens_per_chunk=2, per_request=counters)
+        yield serve_launch.Server(name, base, types.SimpleNamespace(pid=os.getpid()), str(tmp_path / "log"),
+                                  ["vllm-tree-spec", "serve", *extra_args])
+
+    monkeypatch.setattr(serve_launch, "launched", fake_launched)
+    out = tmp_path / "e3"
+    configs = "off,linear-eagle3,linear-eagle3-prob,tree-eagle3-dynamic,tree-eagle3-planned,tree-eagle3-sampled"
+    common = ["--model", "fake-model", "--configs", configs, "--budgets", "6", "--concurrency", "1,4",
+              "--num-prompts", "2,4", "--max-tokens", "6", "--datasets", "math", "--no-exec", "--timeout", "30",
+              "--head", str(head), "--repeats", "2", "--profile-prompts", "2", "--out", str(out)]
+    with pytest.raises(SystemExit, match="--no-enable-prefix-caching"):
+        bench_serve.main(common)
+    assert bench_serve.main([*common, "--no-enable-prefix-caching"]) == 0
+
+    names = [n for n, _, _ in launches]
+    assert names[:3] == ["probe-R1-L6", "probe-R2-L6", "probe-R3-L6"]  # the profile comes first
+    rep0 = names[3:9]
+    assert rep0[0] == "off" and names[9:] == rep0[::-1]  # interleaved repeats, odd ones reversed
+    assert all(extra == ["--no-enable-prefix-caching"] for _, _, extra in launches)
+
+    prof = json.loads((out / "profile" / "profile.json").read_text())
+    np.testing.assert_allclose(prof["table"], A_TRUE + [A_TRUE[-1]] * 2)  # each a[d][r] recovered from the probes
+    assert prof["source"]["prompts"] == [11, 13]  # after warm-up [0, 1) and the measured slices [1, 11)
+    planned = dict((n, s) for n, s, _ in launches)["tree-eagle3-planned-D6"]
+    assert planned["tree"] == paths_str(plan(prof["table"], [6])[6]["paths"]) and planned["dynamic"] is False
+    assert json.loads((out / "planned_trees.json").read_text())["trees"]["6"]["paths"]
+    assert (out / "acceptance_profile.png").stat().st_size > 1000
+    assert (out / "acceptance_per_depth.png").stat().st_size > 1000
+
+    row = json.loads((out / "runs" / "tree-eagle3-planned-D6__c4__rep1.json").read_text())
+    assert row["run"]["prefix_caching"] is False and row["run"]["repeat"] == 1
+    assert "--no-enable-prefix-caching" in row["reproduce"] and "--planned-tree" in row["reproduce"]
+    assert f"--head {head}" in row["reproduce"]
+    assert len(list((out / "runs").glob("*.json"))) == 6 * 2 * 2
+
+    summary = json.loads((out / "summary.json").read_text())
+    dyn = [r for r in summary["rows"] if r["config"] == "tree-eagle3-dynamic-D6"]
+    assert len(dyn) == 2 and all(r["repeats"] == 2 and r["identical"] == [r["completed"]] * 2 for r in dyn)
+    cmp = [c for c in summary["comparisons"] if c["tree"] == "tree-eagle3-dynamic-D6" and c["key"] == "c1"]
+    assert sorted(c["linear"] for c in cmp) == ["linear-eagle3-D6", "linear-eagle3-prob-D6"]
+    assert all(c["accepted_length_ratio"] == pytest.approx(2.5 / 2.0) for c in cmp)
+    ts = [t for t in summary["targets"] if t["target"].startswith("eagle3 tokens/round")]
+    assert len(ts) == 3 * 2 and all(t["met"] and "vs linear-eagle3-D6 @" in t["where"] for t in ts)  # greedy
+    md = (out / "report.md").read_text()
+    assert "## EAGLE-3 acceptance profile and planned trees" in md and "(median of 2)" in md
+
+
+def test_eagle3_dry_run_plans_and_head_default(monkeypatch, tmp_path, capsys):
+    import subprocess
+
+    import bench_serve
+
+    head = tmp_path / "head"
+    head.mkdir()
+    argv = ["--preset", "cpu-eagle3-t1", "--model", "m", "--head", str(head), "--datasets", "math", "--dry-run",
+            "--out", str(tmp_path / "o")]
+    assert bench_serve.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "sampled (temperature 1" in text and "prefix caching off" in text
+    assert '"draft_sample_method": "probabilistic"' in text and '"draft_sampling": "sample_without_replacement"' in text
+    assert '"drafter": "eagle3"' in text and '"tree": "s3_k2_d7", "dynamic": true' in text
+    assert "profile: probe trees R = 1..3 (depth 6)" in text and "tree-eagle3-planned-D6 on the planned trees" in text
+    for preset in ("cpu-eagle3", "cpu-eagle3-t1", "gpu-eagle3", "gpu-eagle3-t1"):
+        p = bench_serve.PRESETS[preset]
+        assert p["no_enable_prefix_caching"] and "linear-eagle3" in p["configs"].split(",")
+    assert bench_serve.PRESETS["gpu-eagle3"]["budgets"] == "4,5,6,7,8"
+    assert bench_serve.PRESETS["gpu-eagle3"]["concurrency"] == "1,4,16"
+    assert bench_serve.PRESETS["gpu-eagle3"]["repeats"] == 3
+
+    # planned tree given outright: no profile step
+    assert bench_serve.main(["--configs", "tree-eagle3-planned", "--budgets", "4", "--model", "m", "--head",
+                             str(head), "--no-enable-prefix-caching", "--datasets", "math", "--dry-run",
+                             "--planned-tree", "[(0,), (1,), (0, 0), (0, 0, 0)]", "--out", str(tmp_path / "p")]) == 0
+    text = capsys.readouterr().out
+    assert "profile:" not in text and '"tree": "[(0,), (1,), (0, 0), (0, 0, 0)]"' in text
+
+    # a stored profile is planned on without probes (and a dry run writes nothing)
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"table": [[0.4, 0.2, 0.1]] * 3}))
+    assert bench_serve.main(["--configs", "tree-eagle3-planned", "--budgets", "4", "--model", "m", "--head",
+                             str(head), "--no-enable-prefix-caching", "--datasets", "math", "--dry-run",
+                             "--profile", str(prof), "--out", str(tmp_path / "q")]) == 0
+    text = capsys.readouterr().out
+    assert "profile:" not in text and '"tree": "[(0,), (1,), (2,), (0, 0)]"' in text
+    assert not (tmp_path / "q").exists()
+    # a planned row whose profile failed is still a recorded row (no spec, so no tree in its command)
+    args = bench_serve.parse_args(["--head", str(head), "--no-enable-prefix-caching"])
+    row = bench_serve.failed_row(args, bench_serve.Config("tree-eagle3-planned-D4", "tree-eagle3-planned", 4, None),
+                                 bench_serve.RunPlan("concurrency", 1.0, 2, 1), {}, RuntimeError("probe failed"))
+    assert row["failed"] == "RuntimeError: probe failed" and "--planned-tree" not in row["reproduce"]
+
+    # no --head and no shipped head: an error that names --head
+    monkeypatch.setattr(bench_serve, "ROOT", tmp_path)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: subprocess.CompletedProcess(a, 2, "", "no such name"))
+    with pytest.raises(SystemExit, match="--head HEAD_DIR"):
+        bench_serve.main(["--preset", "cpu-eagle3", "--model", "m", "--datasets", "math", "--dry-run"])
+    shipped = tmp_path / "vllm_tree_spec" / "heads" / "smollm2-eagle3"
+    shipped.mkdir(parents=True)
+    (shipped / "config.json").write_text("{}")
+    assert bench_serve.default_head() == str(shipped)
+
+
+def test_eagle3_prompts_stay_inside_the_training_reservation():
+    from bench_serve import check_outside_training, training_reservation
+    from serve_datasets import Prompt
+
+    seeds, reserve = training_reservation()
+    assert 0 in seeds and reserve == 600  # training/eagle3/train_eagle3.py
+    share = [Prompt(f"sharegpt/{i}", "sharegpt", "chat", "x") for i in range(reserve + 1)]
+    math = [Prompt(f"champ/{i}", "math", "chat", "y") for i in range(50)]
+    assert check_outside_training(share[:reserve] + math, seed=0) == reserve
+    with pytest.raises(SystemExit, match="BENCH_RESERVE"):
+        check_outside_training(share, seed=0)
+    with pytest.raises(SystemExit, match="BENCH_SEEDS"):
+        check_outside_training(share[:2], seed=seeds.stop)
+
+
+def test_profile_from_probes_recovers_ranks_and_clips_noise():
+    from eagle3_profile import caterpillar_paths, profile_from_probes
+
+    assert caterpillar_paths(2, 2) == [(0,), (1,), (0, 0), (0, 1)]
+    # P_d(R) for the table [[0.6, 0.2], [0.5, 0.3]]: A_1 = 0.6
+    probes = {1: [0.6, 0.3], 2: [0.8, 0.48]}
+    prof = profile_from_probes(probes, 2, 2)
+    np.testing.assert_allclose(prof["table"], [[0.6, 0.2], [0.5, 0.3]])
+    assert prof["chain"] == pytest.approx([0.6, 0.3])
+    noisy = profile_from_probes({1: [0.6, 0.3], 2: [0.55, 0.9]}, 2, 2)  # rank-1 difference < 0, row 2 sum > 1
+    assert noisy["raw"][0][1] == pytest.approx(-0.05) and noisy["table"][0] == pytest.approx([0.6, 0.0])
+    assert sum(noisy["table"][1]) == pytest.approx(1.0)
+    assert profile_from_probes({1: [0.0], 2: [0.0]}, 2, 3)["table"] == []  # nothing accepted: nothing to plan
+    with pytest.raises(ValueError, match="missing for R"):
+        profile_from_probes({1: [0.5]}, 2, 1)
