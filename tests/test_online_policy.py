@@ -241,11 +241,11 @@ def test_prune_to_shape_keeps_rank_paths_in_order():
     tree = Tree(torch.tensor([-1, -1, 0, 0, 1, 2]), torch.tensor([10, 11, 12, 13, 14, 15]))
     q = torch.softmax(torch.randn(7, 20), -1)
     prop = TreeProposal(tree, Mode.SAMPLED_WITHOUT_REPLACEMENT, q, torch.arange(6, dtype=torch.float64))
-    out = prune_to_shape(prop, Tree.from_paths([(0,), (0, 0), (0, 0, 0)]))
+    out = prune_to_shape(prop, Plan.of(Tree.from_paths([(0,), (0, 0), (0, 0, 0)])))
     assert out.tree.parents.tolist() == [-1, 0, 1] and out.tree.tokens.tolist() == [10, 12, 15]
     assert torch.equal(out.draft_probs, q[[0, 1, 3, 6]]) and out.scores.tolist() == [0.0, 2.0, 5.0]
     out.validate()
-    assert prune_to_shape(prop, wide_shape(3, 2)) is prop  # nothing to cut
+    assert prune_to_shape(prop, Plan.of(wide_shape(3, 2))) is prop  # nothing to cut
 
 
 def test_plans_and_buckets():

@@ -58,6 +58,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
@@ -73,6 +74,7 @@ PROFILE_PRIOR = 1.0  # pseudo-rounds of "asked, not accepted" per cell: unmeasur
 DECAY = 0.5  # at every re-plan old measurements weigh half: the plan follows the workload
 MIN_ROUNDS = 64  # request-rounds in the profile before the first plan
 MIN_FULL_ROUNDS = 16  # unpruned rounds before `full` is scored on its measured yield
+OBSERVE_PER_STEP = 8  # request-rounds a step learns from (rotating): bounds the policy's per-step Python
 MIN_PAIRS = 32  # consecutive step pairs kept for the slope (exploration makes them sparse)
 MIN_STEPS = 8  # clean steps in a bucket before it is planned
 OUTLIER = 4.0  # a step slower than 4x the fitted line is not a cost sample (GC, swap, a stall)
@@ -120,6 +122,19 @@ class Plan:
     def depth(self) -> int:
         return 0 if self.shape is None else self.shape.max_depth
 
+    @cached_property
+    def path_set(self) -> frozenset:
+        """The shape's child-rank paths (what pruning keeps)."""
+        return frozenset(structure(self.shape.parents.tolist())[2]) if self.shape is not None else frozenset()
+
+    @cached_property
+    def fanout(self) -> dict[tuple[int, ...], int]:
+        """Children per node of the shape, keyed by the node's child-rank path (the root is ())."""
+        out: dict[tuple[int, ...], int] = {}
+        for p in self.path_set:
+            out[p[:-1]] = out.get(p[:-1], 0) + 1
+        return out
+
     @property
     def width(self) -> int:
         """Most nodes on one level."""
@@ -132,12 +147,21 @@ FULL = Plan("full")
 NONE = Plan("none")
 
 
-def fanout(shape: Tree) -> dict[tuple[int, ...], int]:
-    """Children per node of a shape, keyed by the node's child-rank path (the root is ())."""
-    out: dict[tuple[int, ...], int] = {}
-    for p in shape.to_paths():
-        out[p[:-1]] = out.get(p[:-1], 0) + 1
-    return out
+def structure(parents: Sequence[int]) -> tuple[list[int], list[int], list[tuple[int, ...]], list[list[int]]]:
+    """One pass over a parent array: sibling ranks [N], depths [N], child-rank paths [N], children by row [N + 1].
+
+    (Tree's cached properties give the same; a fresh proposal per request per step would compute each
+    with its own loop and tensor ops, this is the policy's hot path.)
+    """
+    ranks, depths, paths, children = [], [], [], [[]]
+    for i, p in enumerate(parents):
+        kids = children[p + 1]
+        ranks.append(len(kids))
+        kids.append(i)
+        children.append([])
+        depths.append(1 if p < 0 else depths[p] + 1)
+        paths.append((() if p < 0 else paths[p]) + (ranks[i],))
+    return ranks, depths, paths, children
 
 
 def path_sum(shape: Tree, table: np.ndarray) -> float:
@@ -149,8 +173,8 @@ def path_sum(shape: Tree, table: np.ndarray) -> float:
     return math.fsum(reach[1:])
 
 
-def prune_to_shape(proposal: TreeProposal, shape: Tree) -> TreeProposal:
-    """The nodes of `proposal` whose child-rank path is in `shape` (an ancestor-closed subset, same order).
+def prune_to_shape(proposal: TreeProposal, plan: "Plan") -> TreeProposal:
+    """The nodes of `proposal` whose child-rank path is in the plan (an ancestor-closed subset, same order).
 
     Ranks are contiguous, so a kept node keeps its rank and draw order; q rows (sampled trees) follow
     their nodes. Verification of the result is as lossless as of the whole tree.
@@ -158,19 +182,20 @@ def prune_to_shape(proposal: TreeProposal, shape: Tree) -> TreeProposal:
     tree = proposal.tree
     if tree.num_nodes == 0:
         return proposal
-    allowed = set(shape.to_paths())
-    keep = [i for i, p in enumerate(tree.to_paths()) if p in allowed]
-    if len(keep) == tree.num_nodes:
+    allowed = plan.path_set
+    parents = tree.parents.tolist()
+    _, _, paths, _ = structure(parents)
+    keep = [i for i, p in enumerate(paths) if p in allowed]
+    if len(keep) == len(parents):
         return proposal
+    new_index = {j: k for k, j in enumerate(keep)}
+    kept_parents = [NO_PARENT if parents[j] < 0 else new_index[parents[j]] for j in keep]  # parents are kept too
     idx = torch.tensor(keep, dtype=torch.long)
-    remap = torch.full((tree.num_nodes + 1,), NO_PARENT, dtype=torch.long)  # old parent + 1 -> new index
-    remap[idx + 1] = torch.arange(len(keep))
-    parents = remap[tree.parents[idx] + 1]  # [n'] (a root child keeps NO_PARENT)
     q = proposal.draft_probs
     if q is not None:
-        q = q[torch.cat([torch.zeros(1, dtype=torch.long), idx + 1]).to(q.device)]  # [n' + 1, V]
+        q = q[torch.tensor([0] + [j + 1 for j in keep], device=q.device)]  # [n' + 1, V] root row + kept rows
     scores = None if proposal.scores is None else proposal.scores[idx]
-    return TreeProposal(Tree(parents, tree.tokens[idx]), proposal.mode, q, scores)
+    return TreeProposal(Tree(torch.tensor(kept_parents, dtype=torch.long), tree.tokens[idx]), proposal.mode, q, scores)
 
 
 # ---------------------------------------------------------------------------
@@ -202,31 +227,27 @@ class AcceptanceProfile:
             if getattr(self, name) is None:
                 setattr(self, name, np.zeros(shape))
 
-    def observe(self, tree: Tree, path: Sequence[int], asked: dict[tuple[int, ...], int] | None) -> None:
+    def observe(self, tree: Tree, path: Sequence[int], asked: dict[tuple[int, ...], int] | None,
+                struct=None) -> None:
         """One verified round: `tree` as verified, `path` the accepted nodes, `asked` the plan's fan-out
-        (None = unpruned)."""
-        ranks = tree.sibling_rank.tolist()
-        depth = tree.depth.tolist()
-        children = tree.children
-        paths = tree.to_paths()
+        (None = unpruned); `struct`: `structure(tree.parents)` if the caller has it."""
+        ranks, depths, paths, children = struct or structure(tree.parents.tolist())
 
         def ask(row: int) -> int:
-            p = () if row == 0 else paths[row - 1]
-            return MAX_RANK if asked is None else min(MAX_RANK, asked.get(p, 0))
+            if asked is None:
+                return MAX_RANK
+            return min(MAX_RANK, asked.get(() if row == 0 else paths[row - 1], 0))
 
         for row, kids in enumerate(children):  # every drafted node (and the root): asked vs drafted
-            d = 0 if row == 0 else depth[row - 1]
+            d = 0 if row == 0 else depths[row - 1]
             if d >= self.max_depth:
                 continue
             k = ask(row)
             self.present[d, :k] += 1
-            for c in kids:
-                if ranks[c] < k:
-                    self.drafted[d, ranks[c]] += 1
+            if kids:
+                self.drafted[d, : min(k, len(kids))] += 1  # ranks are 0..len(kids) - 1
         row = 0
-        for d in range(min(len(path), self.max_depth) + 1):  # reached nodes: asked vs accepted
-            if d >= self.max_depth:
-                break
+        for d in range(min(len(path), self.max_depth - 1) + 1):  # reached nodes: asked vs accepted
             self.reached[d, : ask(row)] += 1
             if d < len(path):
                 r = ranks[path[d]]
@@ -442,9 +463,9 @@ class OnlinePolicy:
     # -- measurements ---------------------------------------------------------
 
     def observe_round(self, batch_size: int, tree: Tree, path: Sequence[int], applied: Plan,
-                      explored: bool) -> None:
+                      explored: bool, struct=None) -> None:
         """A verified request-round drafted under `applied` (`full` or a tree; on exploration steps the probe)."""
-        self.profile.observe(tree, path, fanout(applied.shape) if applied.kind == "tree" else None)
+        self.profile.observe(tree, path, applied.fanout if applied.kind == "tree" else None, struct)
         self.rounds_seen += 1
         if not explored:  # the plan's own record
             m = self.measured.setdefault(bucket_of(batch_size), _Measured())
@@ -603,8 +624,9 @@ class ShapePolicy:
         start = pol.clock()
         ids = tuple(r.req_id for r in requests)
         clean = bool(requests) and ids == self._last_ids
-        for r in requests:  # the previous step's outcome, from the committed tokens
-            if not self._observe(r, len(requests)):
+        stride = -(-len(requests) // OBSERVE_PER_STEP)  # learn from at most OBSERVE_PER_STEP rounds a step
+        for i, r in enumerate(requests):  # the previous step's outcome, from the committed tokens
+            if not self._observe(r, len(requests), learn=(i + pol.steps) % stride == 0):
                 clean = False
         if clean and self._last_start is not None:
             step_ms = (start - self._last_start) * 1e3 - self._last_draft_ms
@@ -619,7 +641,7 @@ class ShapePolicy:
         t0 = pol.clock()
         out = drafter.propose(list(requests), asked) if requests else []
         if applied.kind == "tree":
-            out = [prune_to_shape(p, applied.shape) for p in out]
+            out = [prune_to_shape(p, applied) for p in out]
         self._last_draft_ms = (pol.clock() - t0) * 1e3
         self._last_start = start  # a step's interval runs from one propose call to the next
         self._last_ids = ids
@@ -630,8 +652,9 @@ class ShapePolicy:
             self._pending[r.req_id] = _Pending(len(r.token_ids), p.tree, applied, explore, n)
         return out
 
-    def _observe(self, req: DraftRequest, batch_size: int) -> bool:
-        """Record the accepted path of this request's previous tree; False if the step is not clean."""
+    def _observe(self, req: DraftRequest, batch_size: int, learn: bool = True) -> bool:
+        """Record the accepted path of this request's previous tree (if `learn`); False if the step is not
+        clean."""
         prev = self._pending.pop(req.req_id, None)
         if prev is None:
             return False
@@ -639,10 +662,11 @@ class ShapePolicy:
         tree = prev.tree
         if not 1 <= grown <= 1 + tree.num_nodes:
             return False
-        if prev.asked == 0:
+        if prev.asked == 0 or not learn:
             return True
         new = [int(t) for t in req.token_ids[prev.num_tokens: prev.num_tokens + grown - 1]]  # accepted drafts
-        toks, children = tree.tokens.tolist(), tree.children
+        struct = structure(tree.parents.tolist())
+        toks, children = tree.tokens.tolist(), struct[3]
         path, row = [], 0
         for t in new:
             nxt = next((c for c in children[row] if toks[c] == t), None)
@@ -650,7 +674,7 @@ class ShapePolicy:
                 return False  # not this tree's path (the scheduler cut it, or the context was rewritten)
             path.append(nxt)
             row = nxt + 1
-        self.policy.observe_round(batch_size, tree, path, prev.applied, prev.explored)
+        self.policy.observe_round(batch_size, tree, path, prev.applied, prev.explored, struct)
         return True
 
     def finish_request(self, req_id: Hashable) -> None:
