@@ -13,8 +13,8 @@ Both sides of that trade are measured while serving, per drafter:
                          drafted / did not draft
 
 Every `replan_every` steps the policy re-plans each bucket: Sequoia's DP
-(`planner.candidate_trees`) on a[d][r] gives the best tree of every size and
-depth; each is scored as expected tokens per step over predicted step ms,
+(`planner.candidate_trees`) on a[d][r] gives the best tree of every size; each
+is scored as expected tokens per step over predicted step ms,
 
     E(S)     = 1 + sum over nodes v of S of  prod_{u on root->v} a[depth u][rank u]
     rows(S)  = B * (1 + sum over v of prod f[..])          (drafters fill a shape partly)
@@ -38,23 +38,27 @@ skipped).
 Exploration: a policy that settled on a chain would never see a rank-1 child
 again and could never return to a tree. Every `explore period`-th step drafts
 the unpruned tree (ranks up to MAX_RANK are counted as asked), which costs at
-most the gap between the full tree and the plan on that one step. The period
-starts at `explore_every`, doubles at every re-plan that keeps the plan (up to
-8x), and resets when the plan changes: a settled policy pays little for it.
+most the gap between the full tree and the plan on that one step; while the
+plan is `full` it drafts a half-budget chain instead (the cost of fewer rows).
+The period starts at `explore_every`, doubles at every re-plan that keeps the
+plan (up to 8x), and resets when the plan changes or the cost drifts (its
+measured step time 50 % off the prediction): a settled policy pays little.
 
 Observations are read from the committed tokens themselves: the next call's
 context extends the previous one by the accepted path plus one bonus token,
 and the path is found by matching those tokens against the tree that was
-verified. Only clean steps (the same requests as the step before, each grown by
-1..1 + nodes tokens) time the step; a request whose growth does not match its
-tree (preempted, truncated) is skipped.
+verified (at most OBSERVE_PER_STEP requests a step, rotating). Only clean steps
+(the same requests as the step before, each grown by 1..1 + nodes tokens) time
+the step; a request whose growth does not match its tree (preempted,
+truncated) is skipped.
 
-Nothing here imports vLLM; `integration/shape_policy.py` adds the clock, the
-log line and the `/metrics` gauges.
+Nothing here imports vLLM; `integration/shape_policy.py` adds the log line and
+the `/metrics` gauges. docs/planner.md section 4 is the user-facing account.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -325,10 +329,12 @@ class BucketCosts:
         self.draft_ms[drafted] += draft_ms
         self.draft_n[drafted] += 1
 
-    def decay(self, factor: float, slope_factor: float) -> None:
+    def decay(self, factor: float, slope_factor: float, force: bool = False) -> None:
+        """Old samples weigh `factor` (the slope's `slope_factor`, unless that leaves under MIN_PAIRS pairs and
+        not `force`: exploration makes pairs sparse)."""
         for name in ("w", "sx", "sy", "sb"):
             setattr(self, name, getattr(self, name) * factor)
-        if self.pairs * slope_factor >= MIN_PAIRS or slope_factor == DRIFT_FORGET:  # keep enough pairs
+        if force or self.pairs * slope_factor >= MIN_PAIRS:
             self.sdxx *= slope_factor
             self.sdxy *= slope_factor
             self.pairs *= slope_factor
@@ -436,6 +442,7 @@ class OnlinePolicy:
         self.plans: dict[int, Plan] = {}  # bucket -> plan (absent = FULL)
         self.measured: dict[int, _Measured] = {}
         self.explore_period = explore_every
+        self.drifted = False  # a bucket's cost moved away from its fit in this re-plan
         self.steps = 0
         self.steps_since_replan = 0
         self.replans = 0
@@ -492,7 +499,7 @@ class OnlinePolicy:
         decisions = self.replan()
         self.last_replan_ms = (self.clock() - t0) * 1e3
         self.max_replan_ms = max(self.max_replan_ms, self.last_replan_ms)
-        return [Decision(**{**d.__dict__, "replan_ms": self.last_replan_ms}) for d in decisions]
+        return [dataclasses.replace(d, replan_ms=self.last_replan_ms) for d in decisions]
 
     # -- planning -------------------------------------------------------------
 
@@ -529,7 +536,6 @@ class OnlinePolicy:
         self.steps_since_replan = 0
         self.replans += 1
         decisions: list[Decision] = []
-        self.drifted = False
         if self.rounds_seen >= MIN_ROUNDS:  # warm-up only: later the decayed profile is all there is
             a, f = self.profile.acceptance(), self.profile.fill()
             pooled = self._pooled_slope()
@@ -568,7 +574,7 @@ class OnlinePolicy:
         if m is not None and m.steps >= MIN_STEPS:  # the step cost moved away from its fit: forget faster
             ratio = (m.step_ms / m.steps) / old_pred.step_ms
             if not 1 / (1 + DRIFT) <= ratio <= 1 + DRIFT:
-                self.costs[b].decay(DRIFT_FORGET, DRIFT_FORGET)
+                self.costs[b].decay(DRIFT_FORGET, DRIFT_FORGET, force=True)
                 self.drifted = True
                 old_pred = self.predict(old, b, old_yield, pooled) or old_pred
         best, best_pred = old, old_pred
