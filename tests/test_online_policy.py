@@ -254,3 +254,20 @@ def test_plans_and_buckets():
     assert Plan.of(wide_shape(2, 2)).width == 4 and Plan.of(None) == NONE
     with pytest.raises(ValueError):
         OnlinePolicy(0)
+
+
+def test_tensor_parallel_ranks_take_the_first_ranks_plans():
+    """Ranks time their steps differently; `sync` (rank 0's state) makes them draft the same trees."""
+    rank0 = OnlinePolicy(8, replan_every=32, explore_every=8)
+    states = []  # rank 0 sends its state, rank 1 receives it (what the broadcast does)
+    rank0.sync = lambda st: states.append(st) or st
+    eng0 = Engine(rank0, ShapeDrafter(wide_shape(3, 2)), [0.7, 0.1], line(5.0, 0.4), seed=4)
+    rank1 = OnlinePolicy(8, replan_every=32, explore_every=8)
+    received = iter(states)
+    rank1.sync = lambda st: next(received)
+    eng1 = Engine(rank1, ShapeDrafter(wide_shape(3, 2)), [0.7, 0.1], line(1.0, 5.0), seed=4)  # other timings
+    for _ in range(320):
+        eng0.step()
+        eng1.step()
+        assert {b: p.key for b, p in rank0.plans.items()} == {b: p.key for b, p in rank1.plans.items()}
+    assert rank0.changes >= 1 and rank1.changes == rank0.changes and rank1.explore_period == rank0.explore_period

@@ -425,18 +425,20 @@ class OnlinePolicy:
         explore_every: base period, in steps, of unpruned exploration steps.
         hysteresis: a new plan must be predicted this much faster than the current one (0.05 = 5 %).
         max_depth: deepest tree planned (default min(max_nodes, MAX_DEPTH)).
+        sync: called at every re-plan with (plans, decisions, drifted, changes) on every tensor-parallel rank,
+            returns rank 0's: all ranks must draft the same trees (their timings differ).
     """
 
     def __init__(self, max_nodes: int, *, replan_every: int = 256, explore_every: int = 16,
                  hysteresis: float = 0.05, max_depth: int | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, sync: Callable[[tuple], tuple] | None = None) -> None:
         if max_nodes < 1 or replan_every < 1 or explore_every < 2 or hysteresis < 0:
             raise ValueError(f"max_nodes = {max_nodes}, replan_every = {replan_every}, explore_every = "
                              f"{explore_every}, hysteresis = {hysteresis}: need >= 1, >= 1, >= 2, >= 0")
         self.max_nodes = max_nodes
         self.max_depth = max(1, min(max_nodes, max_depth or MAX_DEPTH))
         self.replan_every, self.explore_every, self.hysteresis = replan_every, explore_every, hysteresis
-        self.clock = clock
+        self.clock, self.sync = clock, sync
         self.profile = AcceptanceProfile(self.max_depth)
         self.costs: dict[int, BucketCosts] = {}
         self.plans: dict[int, Plan] = {}  # bucket -> plan (absent = FULL)
@@ -548,6 +550,9 @@ class OnlinePolicy:
                 d = self._replan_bucket(b, cands, yields, a, f, pooled)
                 if d is not None:
                     decisions.append(d)
+        if self.sync is not None:  # every rank re-plans at the same step (a step counter): take rank 0's result
+            self.plans, decisions, self.drifted, self.changes = self.sync(
+                (self.plans, decisions, self.drifted, self.changes))
         changed = any(d.changed for d in decisions) or self.drifted
         self.drifted = False
         self.measured = {}  # each window measures the plan it ran

@@ -102,3 +102,23 @@ def _plan_changes(text: str) -> float:
         if ln.startswith('vllm_tree_spec:plan_changes_total{drafter="ngram"}'):
             return float(ln.split()[-1])
     return 0.0
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_tensor_parallel_ranks_share_the_plan(tiny_models, monkeypatch):
+    """TP = 2: every rank drafts its own trees and times its own steps; re-planning every 8 steps must give
+    all ranks rank 0's plan (else the scheduled drafts would not match a rank's tree), and greedy output
+    equals TP = 1 without speculation."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    model = str(tiny_models.llama(vocab_size=VOCAB, num_layers=2, seed=0))
+    raw = repetitive_prompts(8, VOCAB, seed=21)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in raw]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = run_engine(model, prompts, params)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    run = run_engine(model, prompts, params, {**AUTO, "replan_every": 8, "explore_every": 2},
+                     tensor_parallel_size=2, distributed_executor_backend="mp")
+    compare_greedy(base.outputs, run.outputs, raw, None)
