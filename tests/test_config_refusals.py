@@ -61,6 +61,14 @@ MALFORMED = [
     ("budget-above-slots", {"budgets": {4: 100}}, "budgets", "raise 'num_speculative_tokens'"),
     ("budget-batch-size-not-int", {"budgets": {"four": 4}}, "budgets", "valid integer"),
     ("budgets-not-a-dict", {"budgets": [4, 2]}, "budgets", "valid dictionary"),
+    ("budgets-unknown-word", {"budgets": "static"}, "budgets", 'write "auto"'),
+    ("budgets-null", {"budgets": None}, "budgets", 'write "auto"'),
+    ("budgets-empty-table", {"budgets": {}}, "budgets", "give at least one"),
+    ("replan-with-static-table", {"budgets": {8: 4}, "replan_every": 64}, "replan_every",
+     "set 'budgets' to \"auto\""),
+    ("explore-with-static-table", {"budgets": {8: 4}, "explore_every": 4}, "explore_every", "remove 'explore_every'"),
+    ("replan-zero", {"replan_every": 0}, "replan_every", "greater than or equal to 1"),
+    ("explore-one", {"explore_every": 1}, "explore_every", "greater than or equal to 2"),
     ("spec-factor-zero", {"max_spec_factor": 0}, "max_spec_factor", "greater than 0"),
     ("spec-factor-for-ngram", {"drafter": "ngram", "max_spec_factor": 2.0}, "max_spec_factor", "remove it"),
     ("token-prob-above-one", {"min_token_prob": 1.5}, "min_token_prob", "less than or equal to 1"),
@@ -99,12 +107,15 @@ def test_malformed_config_names_key_and_fix(keys, key, fix):
      "verification": "deterministic"},
     {"drafter": "mtp", "tree": "chain:3", "dynamic": False},
     {"budgets": {1: 5, 8: 2, 64: 0}},
-], ids=["defaults", "ngram", "suffix", "draft-model", "iid-sampled", "wor-deterministic", "mtp", "budgets"])
+    {"budgets": "auto", "replan_every": 64, "explore_every": 4},
+], ids=["defaults", "ngram", "suffix", "draft-model", "iid-sampled", "wor-deterministic", "mtp", "budgets",
+        "budgets-auto"])
 def test_valid_configs_still_parse_and_survive_the_worker_round_trip(keys):
     """The controls: these must pass (else the refusals above could be refusing everything), and the
     JSON dump the config route ships to the workers must validate again there."""
     cfg = parse_tree_config({"method": "tree", **keys})
     assert TreeSpecConfig(**cfg.model_dump(mode="json")) == cfg
+    assert cfg.budgets == keys.get("budgets", "auto")  # the online shape policy is the default
 
 
 @pytest.mark.parametrize("drafting,rule,mode", [

@@ -16,8 +16,12 @@ Keys (see README for the table):
                        "deterministic" for draft_sampling "sample_without_replacement" (one draw y ~ p per
                        node instead of rejection sampling against q); rules that would be lossy are refused
     draft_sampling     draft_model, eagle3: "topk" (deterministic children) | "sample" | "sample_without_replacement"
-    budgets            {"batch size": max nodes}: the node budget for batches up to that size
-                       (a budget of 0 switches speculation off at that size)
+    budgets            "auto" (default): the online shape policy re-plans the drafted tree (a tree, a chain or
+                       no speculation) per batch-size bucket from measured acceptance and step costs
+                       (online_policy.py, docs/planner.md section 4); or a static table {"batch size": max
+                       nodes}: the node budget for batches up to that size (0 switches speculation off there)
+    replan_every, explore_every   budgets "auto": steps between re-plans (256), base period of the
+                       unpruned exploration steps (16)
     suffix / ngram knobs: max_spec_factor, min_token_prob, prompt_lookup_min, prompt_lookup_max
                        (a knob of another drafter is refused rather than ignored)
     seed               draft_model with draft_sampling != "topk": seed of the draft's own sampling
@@ -78,7 +82,10 @@ class TreeSpecConfig(BaseModel):
         "auto", description="The lossless rule: 'auto' or one of LOSSLESS_RULES[how children are drafted] "
         "('greedy' is refused: temperature-0 requests are verified greedily anyway).")
     draft_sampling: Literal["topk", "sample", "sample_without_replacement"] = "topk"
-    budgets: dict[int, int] | None = Field(None, description="Max draft nodes per batch-size bucket.")
+    budgets: dict[int, int] | Literal["auto"] = Field(
+        "auto", description="'auto' (online shape policy) or max draft nodes per batch-size bucket.")
+    replan_every: int = Field(256, ge=1, description="budgets 'auto': steps between re-plans.")
+    explore_every: int = Field(16, ge=2, description="budgets 'auto': base period of unpruned exploration steps.")
     max_spec_factor: float = Field(1.0, gt=0, description="Suffix drafter: tokens per matched token.")
     min_token_prob: float = Field(0.1, ge=0, le=1, description="Suffix drafter: min continuation frequency.")
     prompt_lookup_min: int = Field(1, ge=1, description="N-gram drafter: shortest suffix to match.")
@@ -90,6 +97,17 @@ class TreeSpecConfig(BaseModel):
     def _tree_text(cls, v: Any) -> Any:
         if isinstance(v, (list, tuple)):
             return [list(p) if isinstance(p, (list, tuple)) else [p] for p in v]
+        return v
+
+    @field_validator("budgets", mode="before")
+    @classmethod
+    def _budgets_text(cls, v: Any) -> Any:
+        if v is None:
+            raise ValueError("key 'budgets' = None: write \"auto\" (the default: the online shape policy) or a "
+                             "table {batch size: nodes}, e.g. {\"8\": 6, \"64\": 0}")
+        if isinstance(v, str) and v != "auto":
+            raise ValueError(f"key 'budgets' = {v!r}: write \"auto\" (the default: the online shape policy) or "
+                             f"a table {{batch size: nodes}}, e.g. {{\"8\": 6, \"64\": 0}}")
         return v
 
     @model_validator(mode="after")
@@ -128,7 +146,14 @@ class TreeSpecConfig(BaseModel):
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"key 'prompt_lookup_min' = {self.prompt_lookup_min} is larger than "
                              f"'prompt_lookup_max' = {self.prompt_lookup_max}; lower the first or raise the second")
-        for bs, nodes in (self.budgets or {}).items():
+        if self.budgets != "auto":
+            for key in ("replan_every", "explore_every"):  # knobs of the policy a static table switches off
+                if getattr(self, key) != type(self).model_fields[key].default:
+                    raise ValueError(f"key {key!r} tunes budgets \"auto\", but 'budgets' is a static table; "
+                                     f"remove {key!r} or set 'budgets' to \"auto\"")
+            if not self.budgets:
+                raise ValueError("key 'budgets' = {}: give at least one {batch size: nodes} entry, or \"auto\"")
+        for bs, nodes in ({} if self.budgets == "auto" else self.budgets).items():
             if bs < 1:
                 raise ValueError(f"key 'budgets': batch size {bs} must be >= 1")
             if nodes < 0 or nodes > self.num_slots:
@@ -212,7 +237,7 @@ class TreeSpecConfig(BaseModel):
 
     def budget_for(self, batch_size: int) -> int:
         """Max draft nodes per request at this batch size."""
-        if not self.budgets:
+        if self.budgets == "auto":  # the online shape policy prunes below this (online_policy.py)
             return self.max_nodes
         for bs in sorted(self.budgets):
             if batch_size <= bs:

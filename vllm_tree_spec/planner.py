@@ -41,10 +41,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Annotated, Literal, Sequence
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vllm_tree_spec.build import acceptance_table, expected_accepted_length, optimal_static_trees
+from vllm_tree_spec.build import (
+    _sequoia_paths,
+    _solve_sequoia,
+    acceptance_table,
+    expected_accepted_length,
+    optimal_static_trees,
+)
 from vllm_tree_spec.tree import Tree, TreeShape
 
 DEFAULT_MAX_DEPTH = 10  # deeper levels rarely pay: acceptance decays geometrically with depth
@@ -321,6 +328,32 @@ def _candidates(acceptance, max_nodes: int, max_depth: int) -> dict[int, list[_C
                 _Candidate(tree, expected_accepted_length(tree, acceptance), tree.max_depth)
             )
     return by_n
+
+
+def candidate_trees(
+    acceptance, max_nodes: int, max_depth: int, every_depth: bool = True
+) -> list[tuple[Tree, float]]:
+    """Every distinct Sequoia-optimal tree (budget <= max_nodes, depth limit <= max_depth) with its E[tokens].
+
+    Ordered by node count, then depth limit: the search space of `plan_trees`, for callers that score
+    candidates with their own costs (the online shape policy, `online_policy.py`). Ranks whose
+    acceptance is 0 at every depth are left out, and a tree is built once per distinct shape, so a
+    re-plan stays cheap. every_depth=False solves the deepest limit only (one tree per budget): enough
+    when the cost of a tree does not depend on its depth.
+    """
+    a = acceptance_table(acceptance, max(1, max_depth))
+    used = np.nonzero(a.max(0) > 0)[0]
+    a = a[:, : int(used[-1]) + 1 if used.size else 1]
+    found: dict[tuple, tuple[int, int, float]] = {}  # rank paths -> (nodes, depth limit, E)
+    deepest = max(1, min(max_depth, max_nodes))
+    for limit in range(1, deepest + 1) if every_depth else [deepest]:
+        tables = _solve_sequoia(a[:limit], max_nodes)
+        for n in range(1, max_nodes + 1):
+            if np.isfinite(tables.value[1, n]):
+                key = tuple(sorted(_sequoia_paths(tables, n), key=lambda p: (len(p), p)))
+                found.setdefault(key, (n, limit, 1.0 + float(tables.value[1, n])))
+    order = sorted(found.items(), key=lambda kv: kv[1][:2])
+    return [(Tree.from_paths(list(paths)), e) for paths, (_, _, e) in order]
 
 
 def plan_trees(

@@ -112,7 +112,8 @@ def test_completions_chat_streaming_and_metrics(server):
     metrics = urllib.request.urlopen(base + "/metrics").read().decode()
     for name in ("vllm_tree_spec:rounds_total", "vllm_tree_spec:nodes_verified_total",
                  "vllm_tree_spec:accepted_tokens_per_depth_total", "vllm_tree_spec:mean_accepted_length",
-                 "vllm_tree_spec:stage_seconds_total", "vllm:spec_decode_num_accepted_tokens_total"):
+                 "vllm_tree_spec:stage_seconds_total", "vllm:spec_decode_num_accepted_tokens_total",
+                 'vllm_tree_spec:plan_nodes{batch_size="1",drafter="suffix"}', "vllm_tree_spec:plan_changes_total"):
         assert name in metrics, f"{name} missing from /metrics"
     rounds = [float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("vllm_tree_spec:rounds_total")]
     assert rounds and rounds[0] > 0

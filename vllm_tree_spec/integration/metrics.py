@@ -85,3 +85,36 @@ class WorkerTimers:
     def add(self, stage: str, seconds: float) -> None:
         if self.enabled:
             self.seconds.labels(stage=stage).inc(seconds)
+
+
+class PlanGauges:
+    """The online shape policy's current plan per drafter and batch-size bucket, and its changes.
+
+    Set in the worker (the policy lives there); exported like the stage timings: in-process engines and
+    the `vllm-tree-spec serve` launcher (multiprocess registry) show them on `/metrics`.
+    """
+
+    def __init__(self, drafter: str):
+        self.drafter = drafter
+        kw = {"multiprocess_mode": "mostrecent"} if os.getenv("PROMETHEUS_MULTIPROC_DIR") else {}
+        labels = ("drafter", "batch_size")
+        self.nodes = _metric("Gauge", "vllm_tree_spec:plan_nodes",
+                             "Draft nodes per request of the current plan (0 = no speculation)", labels, **kw)
+        self.depth = _metric("Gauge", "vllm_tree_spec:plan_depth", "Depth of the current plan", labels, **kw)
+        self.width = _metric("Gauge", "vllm_tree_spec:plan_width", "Most nodes on one level of the current plan",
+                             labels, **kw)
+        self.full = _metric("Gauge", "vllm_tree_spec:plan_full",
+                            "1 while the plan is the drafter's own unpruned tree (nodes/depth/width: its caps)",
+                            labels, **kw)
+        self.changes = _metric("Counter", "vllm_tree_spec:plan_changes", "Changes of the shape plan", ("drafter",))
+        self.changes.labels(drafter=drafter).inc(0)
+
+    def set(self, bucket: int, nodes: int, depth: int, width: int, full: bool) -> None:
+        label = dict(drafter=self.drafter, batch_size=str(bucket))
+        self.nodes.labels(**label).set(nodes)
+        self.depth.labels(**label).set(depth)
+        self.width.labels(**label).set(width)
+        self.full.labels(**label).set(int(full))
+
+    def changed(self, n: int = 1) -> None:
+        self.changes.labels(drafter=self.drafter).inc(n)

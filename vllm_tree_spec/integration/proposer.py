@@ -101,6 +101,11 @@ class TreeProposer:
         self.cfg = TreeSpecConfig(**raw)
         self.vllm_config = vllm_config
         self.drafter = make_drafter(self.cfg, vllm_config)
+        # budgets "auto": the online shape policy chooses which part of each proposal is verified
+        from vllm_tree_spec.integration.shape_policy import make_shape_policy
+
+        sched = getattr(vllm_config, "scheduler_config", None)
+        self.shape_policy = make_shape_policy(self.cfg, getattr(sched, "max_num_seqs", None))
 
     def load_model(self, target_model) -> None:  # vLLM calls this after loading the target
         load = getattr(self.drafter, "load_model", None)
@@ -126,6 +131,8 @@ class TreeProposer:
         return DraftRequest(req_id, token_ids, float(sp.temperature) if sp is not None else 0.0)
 
     def propose_trees(self, requests: list[DraftRequest], budgets: list[int]) -> list[TreeProposal]:
+        if self.shape_policy is not None:
+            return self.shape_policy.propose(self.drafter, requests, budgets)
         return self.drafter.propose(requests, budgets)
 
     def observe_target(self, req_ids, rows, positions, aux_hidden_states=None) -> None:
@@ -139,5 +146,7 @@ class TreeProposer:
             observe(req_ids, rows, positions)
 
     def finish_request(self, req_id: str) -> None:
+        if self.shape_policy is not None:
+            self.shape_policy.finish_request(req_id)
         if req_id in self.drafter.active_requests:
             self.drafter.finish_request(req_id)

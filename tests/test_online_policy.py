@@ -1,0 +1,273 @@
+"""The online shape policy (online_policy.py) on synthetic drafters, targets and step costs.
+
+A synthetic engine drives `ShapePolicy` exactly as the tree runner does: one propose call per step,
+the committed context grown by the accepted path plus a bonus token, and a fake clock that advances
+by a known step cost. The drafter's full tree and the true acceptance a[d][r] are chosen per test, so
+the right plan is known: a flat drafter -> a chain, rank-2 mass -> a branching tree, a costly verify
+-> no speculation; re-planning is deterministic, hysteresis stops flapping, exploration brings a
+chain back to a tree when the drafter changes.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from vllm_tree_spec.drafters.base import DraftRequest, TreeDrafter, TreeProposal
+from vllm_tree_spec.online_policy import (
+    FULL,
+    NONE,
+    AcceptanceProfile,
+    OnlinePolicy,
+    Plan,
+    ShapePolicy,
+    bucket_of,
+    prune_to_shape,
+)
+from vllm_tree_spec.tree import Tree
+from vllm_tree_spec.verify import Mode
+
+BONUS = 7  # never a draft token (drafts use ids >= 1000)
+
+
+def wide_shape(depth: int, width: int) -> Tree:
+    """Every node has `width` children down to `depth` levels (listed by depth, then rank)."""
+    paths, level = [], [()]
+    for _ in range(depth):
+        level = [p + (r,) for p in level for r in range(width)]
+        paths += level
+    return Tree.from_paths(paths)
+
+
+class ShapeDrafter(TreeDrafter):
+    """Proposes a fixed shape (a topological prefix at smaller budgets); token = 1000 + node index."""
+
+    def __init__(self, shape: Tree):
+        super().__init__()
+        self.shape = shape
+        self.calls: list[list[int]] = []
+
+    def _propose(self, requests, budgets):
+        self.calls.append(list(budgets))
+        out = []
+        for b in budgets:
+            sub = self.shape.subtree(min(b, self.shape.num_nodes))
+            out.append(TreeProposal(Tree(sub.parents, 1000 + torch.arange(sub.num_nodes)), Mode.DETERMINISTIC))
+        return out
+
+
+class Engine:
+    """Drives a ShapePolicy like the runner: propose, verify with a synthetic a[d][r], commit, repeat."""
+
+    def __init__(self, policy: OnlinePolicy, drafter: ShapeDrafter, acceptance, cost, batch: int = 4,
+                 budget: int = 8, seed: int = 0, noise: float = 0.0):
+        self.now = 0.0
+        policy.clock = lambda: self.now
+        self.policy, self.drafter = policy, drafter
+        self.shape_policy = ShapePolicy(policy, self.on_decisions)
+        self.acceptance, self.cost, self.budget, self.noise = acceptance, cost, budget, noise
+        self.rng = random.Random(seed)
+        self.contexts = {f"r{i}": [1, 2, 3] for i in range(batch)}
+        for rid, ctx in self.contexts.items():
+            drafter.start_request(rid, ctx)
+        self.history: list[tuple[int, str]] = []  # (step, plan) after every change
+        self.tokens = 0
+        self.steps = 0
+
+    def on_decisions(self, decisions):
+        for d in decisions:
+            if d.changed:
+                self.history.append((self.steps, str(d.new)))
+
+    def accept(self, tree: Tree) -> list[int]:
+        """The accepted path: at each reached node draw the accepted rank from a[d] (None: stop)."""
+        path, row, d = [], 0, 0
+        while True:
+            a = self.acceptance(d) if callable(self.acceptance) else self.acceptance
+            u, r, acc = self.rng.random(), None, 0.0
+            for rank, p in enumerate(a):
+                acc += p
+                if u < acc:
+                    r = rank
+                    break
+            kids = tree.children[row]
+            if r is None or r >= len(kids):
+                return path
+            path.append(kids[r])
+            row, d = kids[r] + 1, d + 1
+
+    def step(self) -> None:
+        reqs = [DraftRequest(rid, list(ctx), 0.0) for rid, ctx in self.contexts.items()]
+        t0 = self.now
+        out = self.shape_policy.propose(self.drafter, reqs, [self.budget] * len(reqs))
+        self.now = t0 + 0.0002  # drafting
+        rows = 0
+        for r, p in zip(reqs, out):
+            path = self.accept(p.tree)
+            self.contexts[r.req_id] += [int(p.tree.tokens[n]) for n in path] + [BONUS]
+            rows += 1 + p.num_nodes
+            self.tokens += 1 + len(path)
+        ms = self.cost(len(reqs), rows) * (1 + self.noise * (2 * self.rng.random() - 1))
+        self.now += ms / 1e3
+        self.steps += 1
+
+    def run(self, steps: int) -> "Engine":
+        for _ in range(steps):
+            self.step()
+        return self
+
+
+def plan_of(engine: Engine) -> Plan:
+    return engine.policy.plan_for(len(engine.contexts))
+
+
+def line(fixed_ms: float, row_ms: float):
+    return lambda batch, rows: fixed_ms + row_ms * rows
+
+
+def test_flat_drafter_settles_on_a_chain():
+    """Only rank-0 children are ever accepted: the siblings are dead rows, a chain verifies fewer."""
+    pol = OnlinePolicy(8, replan_every=64, explore_every=8)
+    eng = Engine(pol, ShapeDrafter(wide_shape(4, 2)), [0.8], line(5.0, 0.4)).run(640)
+    plan = plan_of(eng)
+    assert plan.kind == "tree" and plan.shape.is_chain(), (plan, eng.history)
+    # the drafter's full tree holds a depth-4 rank-0 chain; deeper chain nodes are never offered
+    assert 2 <= plan.num_nodes <= 8, plan
+    assert eng.history and eng.history[0][1] != "full"
+
+
+def test_rank_two_mass_keeps_a_branching_tree():
+    """Siblings carry acceptance and extra rows are cheap: the plan branches."""
+    pol = OnlinePolicy(8, replan_every=64, explore_every=8)
+    eng = Engine(pol, ShapeDrafter(wide_shape(3, 3)), [0.4, 0.3, 0.2], line(10.0, 0.01)).run(640)
+    plan = plan_of(eng)
+    assert plan.kind == "full" or (plan.kind == "tree" and plan.shape.max_children >= 2), (plan, eng.history)
+    if plan.kind == "tree":
+        assert plan.shape.max_children >= 2
+
+
+def test_costly_verify_switches_speculation_off():
+    """Every verified row costs as much as the fixed step: no tree is worth its rows."""
+    pol = OnlinePolicy(8, replan_every=64, explore_every=8)
+    eng = Engine(pol, ShapeDrafter(wide_shape(3, 2)), [0.3, 0.1], line(1.0, 5.0)).run(640)
+    assert plan_of(eng) == NONE, eng.history
+    # switched off: the drafter is asked for nothing except on exploration steps
+    tail = eng.drafter.calls[-64:]
+    asked = [c for c in tail if any(c)]
+    assert 0 < len(asked) <= 64 // pol.explore_every + 1, (len(asked), pol.explore_period)
+
+
+def test_no_speculation_returns_when_verify_gets_cheap():
+    """From 'none', exploration steps keep measuring acceptance and cost; cheap rows bring trees back."""
+    pol = OnlinePolicy(8, replan_every=64, explore_every=8)
+    costly = {"on": True}
+    eng = Engine(pol, ShapeDrafter(wide_shape(3, 2)), [0.6, 0.2],
+                 lambda b, rows: 1.0 + (5.0 if costly["on"] else 0.01) * rows).run(512)
+    assert plan_of(eng) == NONE, eng.history
+    costly["on"] = False
+    eng.run(1536)
+    assert plan_of(eng) != NONE, eng.history
+
+
+def test_chain_returns_to_a_tree_when_siblings_start_paying():
+    """Exploration: a chain plan still measures sibling ranks, so it can come back to a tree."""
+    pol = OnlinePolicy(8, replan_every=64, explore_every=8)
+    phase = {"flat": True}
+    eng = Engine(pol, ShapeDrafter(wide_shape(3, 3)),
+                 lambda d: [0.8] if phase["flat"] else [0.35, 0.3, 0.25], line(5.0, 0.3)).run(768)
+    first = plan_of(eng)
+    assert first.kind == "tree" and first.shape.is_chain(), eng.history
+    phase["flat"] = False
+    eng.run(1536)
+    later = plan_of(eng)
+    assert later.kind == "full" or later.shape.max_children >= 2, eng.history
+
+
+def test_replanning_is_deterministic():
+    """Same measurements -> same plans, at the same steps."""
+    def run():
+        pol = OnlinePolicy(8, replan_every=32, explore_every=8)
+        return Engine(pol, ShapeDrafter(wide_shape(3, 3)), [0.45, 0.25, 0.1], line(6.0, 0.2),
+                      seed=3, noise=0.05).run(512).history
+
+    first = run()
+    assert first and first == run()
+
+
+def test_hysteresis_stops_flapping():
+    """Two near-equal plans under noisy costs: hysteresis keeps the plan; without it, it flaps."""
+    def changes(hysteresis):
+        pol = OnlinePolicy(6, replan_every=32, explore_every=8, hysteresis=hysteresis)
+        eng = Engine(pol, ShapeDrafter(wide_shape(6, 1)), [0.5], line(4.0, 0.2), budget=6, seed=1, noise=0.2)
+        eng.run(1600)
+        return pol.changes, eng.history
+
+    calm, history = changes(0.05)
+    assert calm <= 2, history
+    jumpy, jumpy_history = changes(0.0)
+    assert jumpy > calm, (jumpy_history, history)
+
+
+def test_replan_is_cheap_and_measured():
+    """A re-plan at a 16-node budget takes milliseconds (docs/planner.md gives the measured numbers)."""
+    import time
+
+    eng = Engine(OnlinePolicy(16, replan_every=64, explore_every=8), ShapeDrafter(wide_shape(4, 3)),
+                 [0.4, 0.3, 0.1], line(5.0, 0.1), budget=16).run(256)
+    pol = eng.policy
+    assert pol.replans >= 3 and pol.profile.rounds >= 64
+    pol.clock = time.perf_counter  # real time for the re-plan itself
+    pol.steps_since_replan = pol.replan_every - 1
+    pol.end_step()
+    assert 0 < pol.last_replan_ms < 250, pol.last_replan_ms  # loose: a shared 2-core CI machine
+
+
+def test_profile_counts_asked_ranks_only():
+    """a[d][r] is counted over the slots the plan asked for: a chain plan learns nothing about rank 1."""
+    prof = AcceptanceProfile(4)
+    chain = Tree.chain(3, [11, 12, 13])
+    prof.observe(chain, [0, 1], {(): 1, (0,): 1, (0, 0): 1})
+    assert prof.reached[:3, 0].tolist() == [1, 1, 1] and prof.reached[:, 1].sum() == 0
+    assert prof.accepted[:3, 0].tolist() == [1, 1, 0]
+    wide = Tree(torch.tensor([-1, -1, 0]), torch.tensor([5, 6, 7]))
+    prof.observe(wide, [1], None)  # unpruned: every rank up to MAX_RANK was asked
+    assert prof.accepted[0, 1] == 1 and prof.reached[0, 7] == 1 and prof.reached[1, 0] == 2
+    assert prof.drafted[0, :2].tolist() == [2, 1] and prof.full_rounds == 1 and prof.full_tokens == 2
+
+
+def test_prune_to_shape_keeps_rank_paths_in_order():
+    tree = Tree(torch.tensor([-1, -1, 0, 0, 1, 2]), torch.tensor([10, 11, 12, 13, 14, 15]))
+    q = torch.softmax(torch.randn(7, 20), -1)
+    prop = TreeProposal(tree, Mode.SAMPLED_WITHOUT_REPLACEMENT, q, torch.arange(6, dtype=torch.float64))
+    out = prune_to_shape(prop, Plan.of(Tree.from_paths([(0,), (0, 0), (0, 0, 0)])))
+    assert out.tree.parents.tolist() == [-1, 0, 1] and out.tree.tokens.tolist() == [10, 12, 15]
+    assert torch.equal(out.draft_probs, q[[0, 1, 3, 6]]) and out.scores.tolist() == [0.0, 2.0, 5.0]
+    out.validate()
+    assert prune_to_shape(prop, Plan.of(wide_shape(3, 2))) is prop  # nothing to cut
+
+
+def test_plans_and_buckets():
+    assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 4, 4, 8, 8, 16, 64]
+    assert str(FULL) == "full" and str(NONE) == "none" and str(Plan.of(Tree.chain(3))) == "chain n=3"
+    assert Plan.of(wide_shape(2, 2)).width == 4 and Plan.of(None) == NONE
+    with pytest.raises(ValueError):
+        OnlinePolicy(0)
+
+
+def test_tensor_parallel_ranks_take_the_first_ranks_plans():
+    """Ranks time their steps differently; `sync` (rank 0's state) makes them draft the same trees."""
+    rank0 = OnlinePolicy(8, replan_every=32, explore_every=8)
+    states = []  # rank 0 sends its state, rank 1 receives it (what the broadcast does)
+    rank0.sync = lambda st: states.append(st) or st
+    eng0 = Engine(rank0, ShapeDrafter(wide_shape(3, 2)), [0.7, 0.1], line(5.0, 0.4), seed=4)
+    rank1 = OnlinePolicy(8, replan_every=32, explore_every=8)
+    received = iter(states)
+    rank1.sync = lambda st: next(received)
+    eng1 = Engine(rank1, ShapeDrafter(wide_shape(3, 2)), [0.7, 0.1], line(1.0, 5.0), seed=4)  # other timings
+    for _ in range(320):
+        eng0.step()
+        eng1.step()
+        assert {b: p.key for b, p in rank0.plans.items()} == {b: p.key for b, p in rank1.plans.items()}
+    assert rank0.changes >= 1 and rank1.changes == rank0.changes and rank1.explore_period == rank0.explore_period

@@ -1,0 +1,692 @@
+"""The online shape policy: which tree to draft, re-planned from what serving measures (`"budgets": "auto"`).
+
+A tree only pays where its extra rows are accepted often enough to beat their
+verify cost; where they are not, a chain (or no speculation at all) is faster.
+Both sides of that trade are measured while serving, per drafter:
+
+    acceptance profile   a[d][r]: P(the rank-r child of a reached depth d - 1 node
+                         is drafted *and* accepted), and f[d][r]: P(it is drafted),
+                         counted over the ranks the step asked the drafter for
+    step costs           per batch-size bucket (1, 2, 4, ...): step ms against rows
+                         verified (a decayed line: its slope from consecutive steps
+                         whose rows differ), and the draft ms of steps that
+                         drafted / did not draft
+
+Every `replan_every` steps the policy re-plans each bucket: Sequoia's DP
+(`planner.candidate_trees`) on a[d][r] gives the best tree of every size; each
+is scored as expected tokens per step over predicted step ms,
+
+    E(S)     = 1 + sum over nodes v of S of  prod_{u on root->v} a[depth u][rank u]
+    rows(S)  = B * (1 + sum over v of prod f[..])          (drafters fill a shape partly)
+    ms(S)    = fit(rows(S)) + draft ms         no speculation: fit(B) + draft ms of an empty step
+
+next to `full` (the drafter's own tree at the configured budget, scored on its
+measured tokens per step and nodes) and `none`. The best replaces the
+current plan only when it is predicted at least `hysteresis` faster than the
+current plan under the same, new measurements (no flapping between near-equal
+plans). Given the measurements the result is deterministic: fixed iteration
+order, ties to the smaller tree, no randomness.
+
+How a plan is applied: the drafter always proposes at the engine's budget, and
+the proposal is *pruned* to the plan's child-rank paths (`prune_to_shape`): a
+node is kept iff its rank path is in the plan. Any subtree of a proposal is
+verified by the same lossless rule (a topological, ancestor-closed subset of
+distinct / in-order drawn children), so a plan changes which rows are verified
+and never the output's law. A `none` plan passes budget 0 (the drafter is
+skipped).
+
+Exploration: a policy that settled on a chain would never see a rank-1 child
+again and could never return to a tree. Every `explore period`-th step drafts
+the unpruned tree (ranks up to MAX_RANK are counted as asked), which costs at
+most the gap between the full tree and the plan on that one step; while the
+plan is `full` it drafts a half-budget chain instead (the cost of fewer rows).
+The period starts at `explore_every`, doubles at every re-plan that keeps the
+plan (up to 8x), and resets when the plan changes or the cost drifts (its
+measured step time 50 % off the prediction): a settled policy pays little.
+
+Observations are read from the committed tokens themselves: the next call's
+context extends the previous one by the accepted path plus one bonus token,
+and the path is found by matching those tokens against the tree that was
+verified (at most OBSERVE_PER_STEP requests a step, rotating). Only clean steps
+(the same requests as the step before, each grown by 1..1 + nodes tokens) time
+the step; a request whose growth does not match its tree (preempted,
+truncated) is skipped.
+
+Nothing here imports vLLM; `integration/shape_policy.py` adds the log line and
+the `/metrics` gauges. docs/planner.md section 4 is the user-facing account.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Callable, Hashable, Sequence
+
+import numpy as np
+import torch
+
+from vllm_tree_spec.drafters.base import DraftRequest, TreeProposal
+from vllm_tree_spec.planner import candidate_trees, describe_tree
+from vllm_tree_spec.tree import NO_PARENT, Tree
+
+MAX_RANK = 8  # sibling ranks measured (and planned) per node
+MAX_DEPTH = 10  # deepest level planned (planner.DEFAULT_MAX_DEPTH)
+PROFILE_PRIOR = 1.0  # pseudo-rounds of "asked, not accepted" per cell: unmeasured ranks plan as ~0
+DECAY = 0.5  # at every re-plan old measurements weigh half: the plan follows the workload
+MIN_ROUNDS = 64  # request-rounds in the profile before the first plan
+MIN_FULL_ROUNDS = 16  # unpruned rounds before `full` is scored on its measured yield
+OBSERVE_PER_STEP = 8  # request-rounds a step learns from (rotating): bounds the policy's per-step Python
+MIN_PAIRS = 32  # consecutive step pairs kept for the slope (exploration makes them sparse)
+MIN_STEPS = 8  # clean steps in a bucket before it is planned
+OUTLIER = 4.0  # a step slower than 4x the fitted line is not a cost sample (GC, swap, a stall)
+DRIFT = 0.5  # a plan's measured step ms 50 % off its prediction: the cost has moved
+DRIFT_FORGET = 0.1  # then old cost samples keep a tenth of their weight
+EXPLORE_BACKOFF = 8  # the exploration period grows to at most 8 x explore_every
+
+
+def bucket_of(batch_size: int) -> int:
+    """The batch-size bucket a batch is planned in: the next power of two (1, 2, 4, ...)."""
+    return 1 << max(0, int(batch_size) - 1).bit_length()
+
+
+# ---------------------------------------------------------------------------
+# Plans
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a bucket drafts: `full` (the drafter's own tree), `tree` (pruned to `shape`) or `none`."""
+
+    kind: str  # "full" | "tree" | "none"
+    shape: Tree | None = None  # shape-only tree (kind "tree")
+
+    def __post_init__(self) -> None:
+        if (self.kind == "tree") != (self.shape is not None):
+            raise ValueError("a 'tree' plan needs its shape; 'full' and 'none' have none")
+
+    @staticmethod
+    def of(shape: Tree | None) -> "Plan":
+        return Plan("none") if shape is None or shape.num_nodes == 0 else Plan("tree", shape)
+
+    def __str__(self) -> str:
+        return "full" if self.kind == "full" else describe_tree(self.shape)
+
+    @property
+    def key(self) -> tuple:
+        return (self.kind, () if self.shape is None else tuple(self.shape.parents.tolist()))
+
+    @property
+    def num_nodes(self) -> int:
+        return 0 if self.shape is None else self.shape.num_nodes
+
+    @property
+    def depth(self) -> int:
+        return 0 if self.shape is None else self.shape.max_depth
+
+    @cached_property
+    def path_set(self) -> frozenset:
+        """The shape's child-rank paths (what pruning keeps)."""
+        return frozenset(structure(self.shape.parents.tolist())[2]) if self.shape is not None else frozenset()
+
+    @cached_property
+    def fanout(self) -> dict[tuple[int, ...], int]:
+        """Children per node of the shape, keyed by the node's child-rank path (the root is ())."""
+        out: dict[tuple[int, ...], int] = {}
+        for p in self.path_set:
+            out[p[:-1]] = out.get(p[:-1], 0) + 1
+        return out
+
+    @property
+    def width(self) -> int:
+        """Most nodes on one level."""
+        if self.shape is None or self.shape.num_nodes == 0:
+            return 0
+        return int(torch.bincount(self.shape.depth).max())
+
+
+FULL = Plan("full")
+NONE = Plan("none")
+
+
+def structure(parents: Sequence[int]) -> tuple[list[int], list[int], list[tuple[int, ...]], list[list[int]]]:
+    """One pass over a parent array: sibling ranks [N], depths [N], child-rank paths [N], children by row [N + 1].
+
+    (Tree's cached properties give the same; a fresh proposal per request per step would compute each
+    with its own loop and tensor ops, this is the policy's hot path.)
+    """
+    ranks, depths, paths, children = [], [], [], [[]]
+    for i, p in enumerate(parents):
+        kids = children[p + 1]
+        ranks.append(len(kids))
+        kids.append(i)
+        children.append([])
+        depths.append(1 if p < 0 else depths[p] + 1)
+        paths.append((() if p < 0 else paths[p]) + (ranks[i],))
+    return ranks, depths, paths, children
+
+
+def path_sum(shape: Tree, table: np.ndarray) -> float:
+    """sum over nodes v of prod over u on root->v of table[depth(u) - 1, rank(u)] (0 beyond the table)."""
+    reach = [1.0] * (shape.num_nodes + 1)  # by row, root = 1
+    rows, cols = table.shape
+    for i, (p, d, r) in enumerate(zip(shape.parents.tolist(), shape.depth.tolist(), shape.sibling_rank.tolist())):
+        reach[i + 1] = reach[p + 1] * (float(table[d - 1, r]) if d <= rows and r < cols else 0.0)
+    return math.fsum(reach[1:])
+
+
+def prune_to_shape(proposal: TreeProposal, plan: "Plan") -> TreeProposal:
+    """The nodes of `proposal` whose child-rank path is in the plan (an ancestor-closed subset, same order).
+
+    Ranks are contiguous, so a kept node keeps its rank and draw order; q rows (sampled trees) follow
+    their nodes. Verification of the result is as lossless as of the whole tree.
+    """
+    tree = proposal.tree
+    if tree.num_nodes == 0:
+        return proposal
+    allowed = plan.path_set
+    parents = tree.parents.tolist()
+    _, _, paths, _ = structure(parents)
+    keep = [i for i, p in enumerate(paths) if p in allowed]
+    if len(keep) == len(parents):
+        return proposal
+    new_index = {j: k for k, j in enumerate(keep)}
+    kept_parents = [NO_PARENT if parents[j] < 0 else new_index[parents[j]] for j in keep]  # parents are kept too
+    idx = torch.tensor(keep, dtype=torch.long)
+    q = proposal.draft_probs
+    if q is not None:
+        q = q[torch.tensor([0] + [j + 1 for j in keep], device=q.device)]  # [n' + 1, V] root row + kept rows
+    scores = None if proposal.scores is None else proposal.scores[idx]
+    return TreeProposal(Tree(torch.tensor(kept_parents, dtype=torch.long), tree.tokens[idx]), proposal.mode, q, scores)
+
+
+# ---------------------------------------------------------------------------
+# Measurements
+
+
+@dataclass
+class AcceptanceProfile:
+    """Decayed counts by (depth, sibling rank): asked, drafted, accepted; and the unpruned tree's yield.
+
+    `asked[d, r]` counts rank-r child slots below a depth-d node that the step asked the drafter for
+    (the plan's fan-out there, MAX_RANK when unpruned): at reached nodes for `accepted`, at drafted
+    nodes for `drafted`.
+    """
+
+    max_depth: int
+    reached: np.ndarray = None  # [D, R] asked slots below reached (accepted) nodes
+    accepted: np.ndarray = None  # [D, R]
+    present: np.ndarray = None  # [D, R] asked slots below drafted nodes
+    drafted: np.ndarray = None  # [D, R]
+    rounds: float = 0.0
+    full_rounds: float = 0.0  # unpruned rounds: the `full` plan's measured yield
+    full_tokens: float = 0.0  # tokens per round summed, bonus included
+    full_nodes: float = 0.0
+
+    def __post_init__(self) -> None:
+        shape = (self.max_depth, MAX_RANK)
+        for name in ("reached", "accepted", "present", "drafted"):
+            if getattr(self, name) is None:
+                setattr(self, name, np.zeros(shape))
+
+    def observe(self, tree: Tree, path: Sequence[int], asked: dict[tuple[int, ...], int] | None,
+                struct=None) -> None:
+        """One verified round: `tree` as verified, `path` the accepted nodes, `asked` the plan's fan-out
+        (None = unpruned); `struct`: `structure(tree.parents)` if the caller has it."""
+        ranks, depths, paths, children = struct or structure(tree.parents.tolist())
+
+        def ask(row: int) -> int:
+            if asked is None:
+                return MAX_RANK
+            return min(MAX_RANK, asked.get(() if row == 0 else paths[row - 1], 0))
+
+        for row, kids in enumerate(children):  # every drafted node (and the root): asked vs drafted
+            d = 0 if row == 0 else depths[row - 1]
+            if d >= self.max_depth:
+                continue
+            k = ask(row)
+            self.present[d, :k] += 1
+            if kids:
+                self.drafted[d, : min(k, len(kids))] += 1  # ranks are 0..len(kids) - 1
+        row = 0
+        for d in range(min(len(path), self.max_depth - 1) + 1):  # reached nodes: asked vs accepted
+            self.reached[d, : ask(row)] += 1
+            if d < len(path):
+                r = ranks[path[d]]
+                if r < MAX_RANK:
+                    self.accepted[d, r] += 1
+                row = path[d] + 1
+        self.rounds += 1
+        if asked is None:
+            self.full_rounds += 1
+            self.full_tokens += 1 + len(path)
+            self.full_nodes += tree.num_nodes
+
+    def decay(self, factor: float) -> None:
+        for name in ("reached", "accepted", "present", "drafted"):
+            getattr(self, name)[...] *= factor
+        self.rounds *= factor
+        self.full_rounds *= factor
+        self.full_tokens *= factor
+        self.full_nodes *= factor
+
+    def acceptance(self) -> np.ndarray:
+        """[D, R] a[d][r] (rows rescaled to sum <= 1: ranks asked different numbers of times)."""
+        a = self.accepted / (self.reached + PROFILE_PRIOR)
+        s = a.sum(1, keepdims=True)
+        return np.where(s > 1, a / np.maximum(s, 1e-12), a)
+
+    def fill(self) -> np.ndarray:
+        """[D, R] f[d][r]: P(the drafter offers the rank-r child of a drafted depth-d node)."""
+        return np.minimum(1.0, self.drafted / (self.present + PROFILE_PRIOR))
+
+    @property
+    def full_yield(self) -> tuple[float, float]:
+        """(tokens per round, nodes per round) of the unpruned tree; (nan, nan) while under MIN_FULL_ROUNDS."""
+        if self.full_rounds < MIN_FULL_ROUNDS:  # a few exploration rounds are too noisy to switch on
+            return math.nan, math.nan
+        return self.full_tokens / self.full_rounds, self.full_nodes / self.full_rounds
+
+
+@dataclass
+class BucketCosts:
+    """One batch-size bucket: step ms (draft excluded) against rows verified, as decayed sums.
+
+    The slope (ms per row) comes from consecutive steps whose rows differ (first differences:
+    sum dx * dy / sum dx^2), so a slow drift of the whole step cost (longer contexts, other load on the
+    machine) does not leak into it; the level is the decayed mean step at the mean rows.
+    """
+
+    w: float = 0.0
+    sx: float = 0.0  # rows
+    sy: float = 0.0  # ms
+    sdxx: float = 0.0  # consecutive steps: sum of d(rows)^2
+    sdxy: float = 0.0  # and of d(rows) * d(ms)
+    pairs: float = 0.0  # consecutive pairs in those sums
+    sb: float = 0.0  # batch sizes (the bucket's representative batch is their mean)
+    draft_ms: list = field(default_factory=lambda: [0.0, 0.0])  # summed draft ms of [empty, drafting] steps
+    draft_n: list = field(default_factory=lambda: [0.0, 0.0])
+    last: tuple | None = None  # (step index, rows, ms) of the last sample
+
+    def observe(self, step: int, batch: int, rows: int, step_ms: float, draft_ms: float, drafted: bool) -> None:
+        if self.w >= MIN_STEPS:
+            fit = self.line(None)
+            if fit is not None and step_ms > OUTLIER * max(fit[0] + fit[1] * rows, 1e-3):
+                self.last = None
+                return
+        if self.last is not None and self.last[0] == step - 1 and self.last[1] != rows:
+            dx, dy = rows - self.last[1], step_ms - self.last[2]
+            self.sdxx += dx * dx
+            self.sdxy += dx * dy
+            self.pairs += 1
+        self.last = (step, rows, step_ms)
+        self.w += 1
+        self.sx += rows
+        self.sy += step_ms
+        self.sb += batch
+        self.draft_ms[drafted] += draft_ms
+        self.draft_n[drafted] += 1
+
+    def decay(self, factor: float, slope_factor: float, force: bool = False) -> None:
+        """Old samples weigh `factor` (the slope's `slope_factor`, unless that leaves under MIN_PAIRS pairs and
+        not `force`: exploration makes pairs sparse)."""
+        for name in ("w", "sx", "sy", "sb"):
+            setattr(self, name, getattr(self, name) * factor)
+        if force or self.pairs * slope_factor >= MIN_PAIRS:
+            self.sdxx *= slope_factor
+            self.sdxy *= slope_factor
+            self.pairs *= slope_factor
+        self.draft_ms = [v * factor for v in self.draft_ms]
+        self.draft_n = [v * factor for v in self.draft_n]
+
+    def line(self, pooled_slope: float | None) -> tuple[float, float] | None:
+        """(intercept ms, ms per row), or None while rows never varied and no pooled slope is known."""
+        if self.w <= 0:
+            return None
+        if self.sdxx > 0:
+            slope = self.sdxy / self.sdxx
+        elif pooled_slope is not None:
+            slope = pooled_slope
+        else:
+            return None
+        slope = max(0.0, slope)  # more rows never make a step faster; noise can say otherwise
+        return (self.sy - slope * self.sx) / self.w, slope
+
+    def draft(self, drafted: bool) -> float:
+        """Mean draft ms of steps that drafted (True) or not; 0 before any such step."""
+        n = self.draft_n[drafted]
+        return self.draft_ms[drafted] / n if n > 0 else 0.0
+
+    @property
+    def batch(self) -> float:
+        return self.sb / self.w if self.w > 0 else 0.0
+
+
+# ---------------------------------------------------------------------------
+# Planning
+
+
+@dataclass(frozen=True)
+class Prediction:
+    tokens: float  # per round, bonus included
+    step_ms: float
+
+    @property
+    def rate(self) -> float:
+        """Tokens per ms per request."""
+        return self.tokens / self.step_ms
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One bucket's re-plan: what ran, what was predicted, what was measured."""
+
+    bucket: int
+    old: Plan
+    new: Plan
+    old_predicted: Prediction
+    new_predicted: Prediction
+    measured: Prediction | None  # the old plan's own rounds and steps in this bucket since the last re-plan
+    measured_steps: float
+    replan_ms: float = 0.0
+
+    @property
+    def changed(self) -> bool:
+        return self.old.key != self.new.key
+
+    def describe(self, drafter: str) -> str:
+        meas = ("n/a" if self.measured is None else
+                f"{self.measured.tokens:.2f} tokens/round at {self.measured.step_ms:.2f} ms/step "
+                f"over {self.measured_steps:.0f} steps")
+        o, n = self.old_predicted, self.new_predicted
+        return (f"Tree shape plan ({drafter}, batch <= {self.bucket}): {self.old} -> {self.new}; predicted "
+                f"{o.tokens:.2f} -> {n.tokens:.2f} tokens/round, {o.step_ms:.2f} -> {n.step_ms:.2f} ms/step "
+                f"({o.rate * 1e3:.0f} -> {n.rate * 1e3:.0f} tok/s per request); measured {meas}")
+
+
+@dataclass
+class _Measured:
+    """The current plan's own record in one bucket since the last re-plan."""
+
+    rounds: float = 0.0
+    tokens: float = 0.0
+    steps: float = 0.0
+    step_ms: float = 0.0
+
+
+class OnlinePolicy:
+    """Plans per batch-size bucket from an acceptance profile and step costs (see the module docstring).
+
+    Args:
+        max_nodes: the engine's per-request budget (num_speculative_tokens).
+        replan_every: steps between re-plans.
+        explore_every: base period, in steps, of unpruned exploration steps.
+        hysteresis: a new plan must be predicted this much faster than the current one (0.05 = 5 %).
+        max_depth: deepest tree planned (default min(max_nodes, MAX_DEPTH)).
+        sync: called at every re-plan with (plans, decisions, drifted, changes) on every tensor-parallel rank,
+            returns rank 0's: all ranks must draft the same trees (their timings differ).
+    """
+
+    def __init__(self, max_nodes: int, *, replan_every: int = 256, explore_every: int = 16,
+                 hysteresis: float = 0.05, max_depth: int | None = None,
+                 clock: Callable[[], float] = time.perf_counter, sync: Callable[[tuple], tuple] | None = None) -> None:
+        if max_nodes < 1 or replan_every < 1 or explore_every < 2 or hysteresis < 0:
+            raise ValueError(f"max_nodes = {max_nodes}, replan_every = {replan_every}, explore_every = "
+                             f"{explore_every}, hysteresis = {hysteresis}: need >= 1, >= 1, >= 2, >= 0")
+        self.max_nodes = max_nodes
+        self.max_depth = max(1, min(max_nodes, max_depth or MAX_DEPTH))
+        self.replan_every, self.explore_every, self.hysteresis = replan_every, explore_every, hysteresis
+        self.clock, self.sync = clock, sync
+        self.profile = AcceptanceProfile(self.max_depth)
+        self.costs: dict[int, BucketCosts] = {}
+        self.plans: dict[int, Plan] = {}  # bucket -> plan (absent = FULL)
+        self.measured: dict[int, _Measured] = {}
+        self.explore_period = explore_every
+        self.drifted = False  # a bucket's cost moved away from its fit in this re-plan
+        self.steps = 0
+        self.steps_since_replan = 0
+        self.replans = 0
+        self.rounds_seen = 0  # request-rounds observed, never decayed
+        self.changes = 0
+        self.last_replan_ms = 0.0
+        self.max_replan_ms = 0.0
+
+    # -- what to draft --------------------------------------------------------
+
+    def plan_for(self, batch_size: int) -> Plan:
+        return self.plans.get(bucket_of(batch_size), FULL)
+
+    def exploring(self) -> bool:
+        """Whether the current step explores (deterministic: a step counter)."""
+        return self.steps % self.explore_period == 0
+
+    def applied(self, plan: Plan, explore: bool) -> Plan:
+        """What a step drafts: the plan, or on exploration steps the unpruned tree (which measures every
+        rank), or, while the plan is `full`, a rank-0 chain of half the budget (the cost of fewer rows)."""
+        if not explore:
+            return plan
+        return Plan.of(Tree.chain(max(1, self.max_nodes // 2))) if plan.kind == "full" else FULL
+
+    # -- measurements ---------------------------------------------------------
+
+    def observe_round(self, batch_size: int, tree: Tree, path: Sequence[int], applied: Plan,
+                      explored: bool, struct=None) -> None:
+        """A verified request-round drafted under `applied` (`full` or a tree; on exploration steps the probe)."""
+        self.profile.observe(tree, path, applied.fanout if applied.kind == "tree" else None, struct)
+        self.rounds_seen += 1
+        if not explored:  # the plan's own record
+            m = self.measured.setdefault(bucket_of(batch_size), _Measured())
+            m.rounds += 1
+            m.tokens += 1 + len(path)
+
+    def observe_step(self, batch_size: int, rows: int, step_ms: float, draft_ms: float, drafted: bool,
+                     explored: bool) -> None:
+        """A clean step: `rows` verified in `step_ms` (draft excluded), after `draft_ms` of drafting."""
+        b = bucket_of(batch_size)
+        self.costs.setdefault(b, BucketCosts()).observe(self.steps, batch_size, rows, step_ms, draft_ms, drafted)
+        if not explored:
+            m = self.measured.setdefault(b, _Measured())
+            m.steps += 1
+            m.step_ms += step_ms + draft_ms
+
+    def end_step(self) -> list[Decision]:
+        """Advance the step counter; re-plan every `replan_every` steps. Returns the decisions made."""
+        self.steps += 1
+        self.steps_since_replan += 1
+        if self.steps_since_replan < self.replan_every:
+            return []
+        t0 = self.clock()
+        decisions = self.replan()
+        self.last_replan_ms = (self.clock() - t0) * 1e3
+        self.max_replan_ms = max(self.max_replan_ms, self.last_replan_ms)
+        return [dataclasses.replace(d, replan_ms=self.last_replan_ms) for d in decisions]
+
+    # -- planning -------------------------------------------------------------
+
+    def _pooled_slope(self) -> float | None:
+        """ms per row over every bucket's consecutive steps (for buckets whose rows never varied)."""
+        dxx = sum(self.costs[b].sdxx for b in sorted(self.costs))
+        dxy = sum(self.costs[b].sdxy for b in sorted(self.costs))
+        return dxy / dxx if dxx > 0 else None
+
+    def predict(self, plan: Plan, bucket: int, yield_: tuple[float, float],
+                pooled: float | None) -> Prediction | None:
+        """Tokens per round and ms per step of `plan` in `bucket` (None: the bucket is not measured yet).
+
+        yield_: the plan's (tokens per round, nodes drafted per request), from `_yield`.
+        """
+        c = self.costs.get(bucket)
+        line = None if c is None or c.w < MIN_STEPS else c.line(pooled)
+        tokens, nodes = yield_
+        if line is None or math.isnan(tokens):
+            return None
+        rows = c.batch * (1 + nodes)  # [B] root rows, plus the nodes the drafter fills in
+        return Prediction(tokens, max(1e-3, line[0] + line[1] * rows + c.draft(plan.kind != "none")))
+
+    def _yield(self, plan: Plan, a: np.ndarray, f: np.ndarray) -> tuple[float, float]:
+        if plan.kind == "none":
+            return 1.0, 0.0
+        if plan.kind == "full":
+            return self.profile.full_yield
+        # E(S) with a; the expected drafted nodes are the same sum with f (a drafter fills a shape partly)
+        return 1.0 + path_sum(plan.shape, a), path_sum(plan.shape, f)
+
+    def replan(self) -> list[Decision]:
+        """Re-plan every measured bucket (deterministic given the measurements)."""
+        self.steps_since_replan = 0
+        self.replans += 1
+        decisions: list[Decision] = []
+        if self.rounds_seen >= MIN_ROUNDS:  # warm-up only: later the decayed profile is all there is
+            a, f = self.profile.acceptance(), self.profile.fill()
+            pooled = self._pooled_slope()
+            # step cost does not depend on depth here (the drafter always drafts at the engine's budget),
+            # so the best tree of each size (deepest limit) is the whole search space
+            trees = candidate_trees(a, self.max_nodes, self.max_depth, every_depth=False)
+            cands = [Plan.of(t) for t, _ in trees] + [FULL, NONE]
+            yields = {p.key: self._yield(p, a, f) for p in cands}
+            for b in sorted(self.costs):
+                d = self._replan_bucket(b, cands, yields, a, f, pooled)
+                if d is not None:
+                    decisions.append(d)
+        if self.sync is not None:  # every rank re-plans at the same step (a step counter): take rank 0's result
+            self.plans, decisions, self.drifted, self.changes = self.sync(
+                (self.plans, decisions, self.drifted, self.changes))
+        changed = any(d.changed for d in decisions) or self.drifted
+        self.drifted = False
+        self.measured = {}  # each window measures the plan it ran
+        self.explore_period = (self.explore_every if changed else
+                               min(self.explore_period * 2, self.explore_every * EXPLORE_BACKOFF))
+        # forget old measurements, but keep enough to plan on (a `none` plan learns from exploration only)
+        if self.profile.rounds * DECAY >= MIN_ROUNDS:
+            self.profile.decay(DECAY)
+        for c in self.costs.values():
+            c.decay(DECAY if c.w * DECAY >= 4 * MIN_STEPS else 1.0, DECAY)
+        return decisions
+
+    def _replan_bucket(self, b: int, cands: list[Plan], yields: dict, a, f, pooled) -> Decision | None:
+        old = self.plans.get(b, FULL)
+        old_yield = yields.get(old.key) or self._yield(old, a, f)
+        if old.kind == "full" and math.isnan(old_yield[0]):  # `full` itself too rarely measured: its expectation
+            tokens, nodes = self.profile.full_tokens, self.profile.full_nodes
+            n = max(self.profile.full_rounds, 1e-9)
+            old_yield = (tokens / n, nodes / n) if self.profile.full_rounds > 0 else old_yield
+        old_pred = self.predict(old, b, old_yield, pooled)
+        if old_pred is None:
+            return None
+        m = self.measured.get(b)
+        if m is not None and m.steps >= MIN_STEPS:  # the step cost moved away from its fit: forget faster
+            ratio = (m.step_ms / m.steps) / old_pred.step_ms
+            if not 1 / (1 + DRIFT) <= ratio <= 1 + DRIFT:
+                self.costs[b].decay(DRIFT_FORGET, DRIFT_FORGET, force=True)
+                self.drifted = True
+                old_pred = self.predict(old, b, old_yield, pooled) or old_pred
+        best, best_pred = old, old_pred
+        for plan in cands:  # candidates are ordered by size: ties keep the smaller tree
+            pred = self.predict(plan, b, yields[plan.key], pooled)
+            if pred is not None and pred.rate > best_pred.rate * (1 + 1e-9):
+                best, best_pred = plan, pred
+        if best.key != old.key and best_pred.rate <= old_pred.rate * (1 + self.hysteresis):
+            best, best_pred = old, old_pred  # not enough faster to be worth a switch
+        measured = (Prediction(m.tokens / m.rounds if m.rounds else 1.0, m.step_ms / m.steps)
+                    if m is not None and m.steps >= 1 else None)
+        d = Decision(b, old, best, old_pred, best_pred, measured, m.steps if m is not None else 0.0)
+        if d.changed:
+            self.plans[b] = best
+            self.changes += 1
+        return d
+
+
+# ---------------------------------------------------------------------------
+# Driving a drafter
+
+
+@dataclass
+class _Pending:
+    """A request's last proposal, to read its accepted path from the next context."""
+
+    num_tokens: int
+    tree: Tree
+    applied: Plan  # what it was drafted under
+    explored: bool  # on an exploration step
+    asked: int  # the budget the drafter was given (0: nothing asked, nothing to learn)
+
+
+class ShapePolicy:
+    """Wraps a drafter's `propose`: applies the plan, reads the outcome back, times clean steps.
+
+    `on_decisions(decisions)` is called after every re-plan (the engine logs and exports them).
+    """
+
+    def __init__(self, policy: OnlinePolicy, on_decisions: Callable[[list[Decision]], None] | None = None):
+        self.policy = policy
+        self.on_decisions = on_decisions
+        self._pending: dict[Hashable, _Pending] = {}
+        self._last_start: float | None = None
+        self._last_draft_ms = 0.0
+        self._last_rows = 0
+        self._last_drafted = False
+        self._last_explored = False
+        self._last_ids: tuple = ()
+
+    def propose(self, drafter, requests: Sequence[DraftRequest], budgets: Sequence[int]) -> list[TreeProposal]:
+        pol = self.policy
+        start = pol.clock()
+        ids = tuple(r.req_id for r in requests)
+        clean = bool(requests) and ids == self._last_ids
+        stride = -(-len(requests) // OBSERVE_PER_STEP)  # learn from at most OBSERVE_PER_STEP rounds a step
+        for i, r in enumerate(requests):  # the previous step's outcome, from the committed tokens
+            if not self._observe(r, len(requests), learn=(i + pol.steps) % stride == 0):
+                clean = False
+        if clean and self._last_start is not None:
+            step_ms = (start - self._last_start) * 1e3 - self._last_draft_ms
+            pol.observe_step(len(requests), self._last_rows, step_ms, self._last_draft_ms, self._last_drafted,
+                             self._last_explored)
+        decisions = pol.end_step() if requests else []
+        if decisions and self.on_decisions is not None:
+            self.on_decisions(decisions)
+        explore = pol.exploring()
+        applied = pol.applied(pol.plan_for(len(requests)), explore)
+        asked = [0 if applied.kind == "none" else b for b in budgets]
+        t0 = pol.clock()
+        out = drafter.propose(list(requests), asked) if requests else []
+        if applied.kind == "tree":
+            out = [prune_to_shape(p, applied) for p in out]
+        self._last_draft_ms = (pol.clock() - t0) * 1e3
+        self._last_start = start  # a step's interval runs from one propose call to the next
+        self._last_ids = ids
+        self._last_rows = sum(1 + p.num_nodes for p in out)
+        self._last_drafted = any(asked)
+        self._last_explored = explore
+        for r, p, n in zip(requests, out, asked):
+            self._pending[r.req_id] = _Pending(len(r.token_ids), p.tree, applied, explore, n)
+        return out
+
+    def _observe(self, req: DraftRequest, batch_size: int, learn: bool = True) -> bool:
+        """Record the accepted path of this request's previous tree (if `learn`); False if the step is not
+        clean."""
+        prev = self._pending.pop(req.req_id, None)
+        if prev is None:
+            return False
+        grown = len(req.token_ids) - prev.num_tokens
+        tree = prev.tree
+        if not 1 <= grown <= 1 + tree.num_nodes:
+            return False
+        if prev.asked == 0 or not learn:
+            return True
+        new = [int(t) for t in req.token_ids[prev.num_tokens: prev.num_tokens + grown - 1]]  # accepted drafts
+        struct = structure(tree.parents.tolist())
+        toks, children = tree.tokens.tolist(), struct[3]
+        path, row = [], 0
+        for t in new:
+            nxt = next((c for c in children[row] if toks[c] == t), None)
+            if nxt is None:
+                return False  # not this tree's path (the scheduler cut it, or the context was rewritten)
+            path.append(nxt)
+            row = nxt + 1
+        self.policy.observe_round(batch_size, tree, path, prev.applied, prev.explored, struct)
+        return True
+
+    def finish_request(self, req_id: Hashable) -> None:
+        self._pending.pop(req_id, None)
