@@ -36,7 +36,8 @@ class UnsupportedKVLayout(NotImplementedError):
 # CPU_ATTN (vec / vec16)
 
 
-def _cpu_views(kv_cache: torch.Tensor, head_dim: int):
+def cpu_block_views(kv_cache: torch.Tensor, head_dim: int):
+    """(K^T [nb, Hkv, D, bs], V [nb, Hkv, bs, D], bs): views of a CPU_ATTN (vec/vec16) cache, no copy."""
     nb, hkv, bs, two_d = kv_cache.shape
     assert two_d == 2 * head_dim, (kv_cache.shape, head_dim)
     halves = kv_cache.view(nb, hkv, 2, bs * head_dim)
@@ -47,14 +48,14 @@ def _cpu_views(kv_cache: torch.Tensor, head_dim: int):
 
 def cpu_gather(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V [S, Hkv, D] at the given slots of a CPU_ATTN (vec/vec16) cache."""
-    k_t, v, bs = _cpu_views(kv_cache, head_dim)
+    k_t, v, bs = cpu_block_views(kv_cache, head_dim)
     blk, off = slots // bs, slots % bs
     return k_t[blk, :, :, off], v[blk, :, off, :]
 
 
 def cpu_copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, head_dim: int) -> None:
     """kv_cache[dst] <- kv_cache[src] (row-wise, for K and V). src/dst [n] int64; in place."""
-    k_t, v, bs = _cpu_views(kv_cache, head_dim)
+    k_t, v, bs = cpu_block_views(kv_cache, head_dim)
     sb, so, db, do = src // bs, src % bs, dst // bs, dst % bs
     k_rows = k_t[sb, :, :, so].clone()  # [n, Hkv, D]; clone: sources may alias destinations
     v_rows = v[sb, :, so, :].clone()
