@@ -165,3 +165,15 @@ def test_kernel_split_refuses_tree_rows_that_are_not_last():
         split.kernel_split(TreeStep(reqs), torch.tensor([0, 3], dtype=torch.int32),
                            torch.tensor([8], dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32), True,
                            windowed=False)
+
+
+@pytest.mark.parametrize("softcap,dtype", [(0.0, torch.float32), (4.0, torch.float32), (0.0, torch.bfloat16)])
+def test_prefix_lse_matches_reference(softcap, dtype):
+    step, cache, bt, nodes, kvs, q = _case(7)
+    cache = cache.to(dtype)
+    lse = split.prefix_lse(q, cache, D, step, bt, scale=0.3, softcap=softcap)
+    for b, r in enumerate(step.requests):
+        k, v = (x.to(dtype) for x in kvs[b])
+        for i in range(r.num_nodes):
+            ref_lse, _ = _prefix_ref(q[b, i], k, v, r.root_pos, 1, 0, softcap, 0.3)
+            assert torch.allclose(lse[b, i].double(), ref_lse, atol=1e-5, rtol=1e-5)

@@ -42,7 +42,7 @@ class _Plan:
     kernel: split.KernelSplit
     scheduler_metadata: torch.Tensor
     nodes: split.NodeRows
-    blocks: split.PrefixBlocks
+    blocks: split.PrefixBlocks | None  # windowed layers only
 
 
 def _plan(step: TreeStep, attn_metadata, block_size: int, window: int, num_heads: int, num_kv_heads: int,
@@ -60,7 +60,8 @@ def _plan(step: TreeStep, attn_metadata, block_size: int, window: int, num_heads
         seq_lens=ks.seq_lens, dtype=dtype, query_start_loc=ks.query_start_loc, causal=False,
         sliding_window_size=window if window > 0 else -1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
         dynamic_causal=ks.causal, kv_cache_dtype=kv_cache_dtype)
-    plan = _Plan(ks, sched, split.node_rows(step, bt, block_size), split.prefix_blocks(step, bt, block_size, window))
+    blocks = split.prefix_blocks(step, bt, block_size, window) if window > 0 else None
+    plan = _Plan(ks, sched, split.node_rows(step, bt, block_size), blocks)
     cache[key] = plan
     return plan
 
@@ -116,18 +117,21 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             softcap=self.logits_soft_cap, scheduler_metadata=plan.scheduler_metadata, s_aux=self.sinks,
             dynamic_causal=ks.causal, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype)
-        self._tree_merge(plan, query, kv_cache, output, window)
+        self._tree_merge(step, plan, query, kv_cache, attn_metadata.block_table, output, window)
 
-    def _tree_merge(self, plan: _Plan, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
-                    window: int) -> None:
+    def _tree_merge(self, step: TreeStep, plan: _Plan, query: torch.Tensor, kv_cache: torch.Tensor,
+                    block_table: torch.Tensor, output: torch.Tensor, window: int) -> None:
         """Overwrite every draft node's row with prefix part (+) tree part."""
         nodes = plan.nodes
         hkv, g, d = self.num_kv_heads, self.num_queries_per_kv, self.head_size
         B, n = nodes.rows.shape
         q = query.view(query.shape[0], hkv, g, d)[nodes.rows].float()  # [B, n, Hkv, G, D]
         kw = dict(scale=self.scale, softcap=self.logits_soft_cap, window=window)
-        lse_p, o_p = split.prefix_part(q, kv_cache, d, plan.blocks, nodes, values=window > 0, **kw)
-        if o_p is None:  # the kernel's prefix output
+        if window > 0:  # the prefix part over the window, here
+            lse_p, o_p = split.prefix_part(q, kv_cache, d, plan.blocks, nodes, values=True, **kw)
+        else:  # the kernel's prefix output, with its log-sum-exp from the side
+            lse_p = split.prefix_lse(q, kv_cache, d, step, block_table, scale=self.scale,
+                                     softcap=self.logits_soft_cap)
             o_p = output.view(output.shape[0], hkv, g, d)[nodes.rows].float()
         lse_t, o_t = split.tree_part(q, kv_cache, d, nodes, **kw)
         res = split.merge(o_p, lse_p, o_t, lse_t, self.sinks, kernel_prefix=window == 0)  # [B, n, Hkv, G, D]

@@ -207,6 +207,34 @@ def prefix_part(q: torch.Tensor, kv_cache: torch.Tensor, head_dim: int, blocks: 
     return lse, o
 
 
+def prefix_lse(q: torch.Tensor, kv_cache: torch.Tensor, head_dim: int, step: TreeStep, block_table: torch.Tensor,
+               *, scale: float, softcap: float) -> torch.Tensor:
+    """Log-sum-exp [B, n, Hkv, G] of every node over its request's prefix keys 0 .. root_pos (no window).
+
+    One gather of the requests' prefix K blocks, laid out [Hkv, D, blocks, bs] so that each request's
+    keys are one [D, keys] matrix view (vec layout: K^T per block is already [D, bs]), then one matmul
+    per request with all its nodes and query heads as rows; only the last block's tail is masked.
+    """
+    k_t, _, _ = kv_layout.cpu_block_views(kv_cache, head_dim)  # [nb, Hkv, D, bs]
+    B, n, hkv, g, d = q.shape
+    bs = k_t.shape[-1]
+    m = [r.root_pos // bs + 1 for r in step.requests]  # blocks per request
+    ids = torch.cat([block_table[r.req_index, :mb].long() for r, mb in zip(step.requests, m)])
+    keys = k_t.permute(1, 2, 0, 3)[:, :, ids].float()  # [Hkv, D, M, bs], one copy of the prefix K
+    qs = q.permute(0, 2, 1, 3, 4).reshape(B, hkv, n * g, d) * scale  # [B, Hkv, n*G, D]
+    lse = torch.empty(B, hkv, n * g)
+    off = 0
+    for b, (r, mb) in enumerate(zip(step.requests, m)):
+        kb = keys[:, :, off: off + mb].reshape(hkv, d, mb * bs)  # a view: rows of mb * bs contiguous keys
+        off += mb
+        s = torch.matmul(qs[b], kb)  # [Hkv, n*G, mb * bs]
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        s[..., r.root_pos + 1:] = -math.inf  # slots past the root in its block
+        torch.logsumexp(s, dim=-1, out=lse[b])
+    return lse.view(B, hkv, n, g).permute(0, 2, 1, 3)
+
+
 def tree_part(q: torch.Tensor, kv_cache: torch.Tensor, head_dim: int, nodes: NodeRows, *, scale: float,
               softcap: float, window: int):
     """Each node over its ancestors-or-self among the step's nodes: lse [B, n, Hkv, G], o [B, n, Hkv, G, D]."""
