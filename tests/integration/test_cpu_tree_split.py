@@ -177,3 +177,17 @@ def test_prefix_lse_matches_reference(softcap, dtype):
         for i in range(r.num_nodes):
             ref_lse, _ = _prefix_ref(q[b, i], k, v, r.root_pos, 1, 0, softcap, 0.3)
             assert torch.allclose(lse[b, i].double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.vllm
+def test_cpu_benchmark_quick(tmp_path, monkeypatch):
+    """The micro-benchmark's quick mode runs end to end, its correctness gate included."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"))
+    import bench_cpu_tree_attention as bench
+
+    report = bench.run(quick=True, out_dir=tmp_path, repeats=1)
+    assert report["ok"] and report["results"]
+    assert all(r["stock_causal_ms"] > 0 and r["tree_split_ms"] > 0 for r in report["results"])
+    assert "CPU tree attention" in (tmp_path / "bench_cpu_tree_attention.md").read_text()
