@@ -15,8 +15,8 @@ vLLM's CPU kernel computes o_prefix for all nodes of a request at once (one
 non-causal "sequence" whose keys are the P prefix slots, so the prefix K/V are
 read once per request, as for causal rows), in the same call as every other
 row of the step, but it does not return its log-sum-exp. `prefix_lse` computes
-it on the side from the paged cache (K only, block by block, no padding to the
-longest request); `tree_part` attends over the step's own nodes; `merge`
+it on the side from the paged cache (K only, one matmul per request, no padding
+to the longest request); `tree_part` attends over the step's own nodes; `merge`
 combines. With a sliding window the prefix part differs per depth, which the
 kernel cannot express for one sequence; there (`windowed=True`) the prefix part
 is computed here too, over the window only (at most W - 1 keys per request).
@@ -36,7 +36,7 @@ import torch
 from vllm_tree_spec.integration import kv_layout
 from vllm_tree_spec.integration.tree_step import TreeStep
 
-BLOCK_CHUNK = 64  # prefix blocks per batched matmul (bounds the score temporaries)
+BLOCK_CHUNK = 64  # prefix blocks per batched matmul in `prefix_part` (bounds the score temporaries)
 
 
 @dataclass
