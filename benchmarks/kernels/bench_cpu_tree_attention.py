@@ -46,13 +46,15 @@ FULL_GRID = {"batch": [1, 4, 16, 64], "context": [256, 1024, 4096], "nodes": [15
 QUICK_GRID = {"batch": [1, 2], "context": [100], "nodes": [6]}
 
 
-def _binary_tree(n: int):
+def _tree(n: int, shape: str):
     from vllm_tree_spec.tree import Tree
 
-    return Tree([i // 2 - 1 for i in range(n)], list(range(n)))
+    if shape == "chain":  # exact in the kernel's causal mask: no merge
+        return Tree.chain(n, list(range(n)))
+    return Tree([i // 2 - 1 for i in range(n)], list(range(n)))  # complete binary tree
 
 
-def make_case(batch: int, context: int, nodes: int, dtype=torch.float32, seed: int = 0):
+def make_case(batch: int, context: int, nodes: int, dtype=torch.float32, seed: int = 0, shape: str = "binary"):
     """A KV cache with shuffled blocks, B tree requests, their step, kernel metadata for both providers."""
     from vllm import _custom_ops as ops
 
@@ -68,7 +70,7 @@ def make_case(batch: int, context: int, nodes: int, dtype=torch.float32, seed: i
     block_table = torch.randperm(nb, generator=g)[: batch * per_req].view(batch, per_req).to(torch.int32)
     rows = batch * (nodes + 1)
     query = torch.randn(rows, HEADS, HEAD_DIM, generator=g).to(dtype)
-    tree = _binary_tree(nodes)
+    tree = _tree(nodes, shape)
     reqs = [TreeRequestStep(f"r{b}", b, b * (nodes + 1), context, tree, Mode.GREEDY, None, {}) for b in range(batch)]
     seq_lens = torch.full((batch,), seq_len, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32) * (nodes + 1)
@@ -111,10 +113,12 @@ def providers(case) -> dict:
 
     tree()  # builds and caches the step's plan (shared by every layer of a real step)
     plan = next(iter(case.step._cpu_attn_plans.values()))
-    q = case.query.view(-1, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)[plan.nodes.rows].float()
+    q = case.query.view(-1, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)[plan.nodes.rows].float() if plan.merged else None
 
     def lse_only():
-        cpu_tree_split.prefix_lse(q, kv, HEAD_DIM, case.step, case.block_table, scale=case.impl.scale, softcap=0)
+        if not plan.merged:  # chains: nothing to merge
+            return
+        cpu_tree_split.prefix_lse(q, kv, HEAD_DIM, plan.merged, case.block_table, scale=case.impl.scale, softcap=0)
 
     def plan_build():
         case.step.__dict__.pop("_cpu_attn_plans", None)
@@ -176,12 +180,12 @@ def correctness(case) -> float:
 
 
 def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: float = 270.0,
-        repeats: int | None = None) -> dict:
+        repeats: int | None = None, shape: str = "binary") -> dict:
     grid = QUICK_GRID if quick else FULL_GRID
     repeats = repeats or (3 if quick else 7)
-    gate = make_case(2, 300 if not quick else 40, 6, seed=1)
+    gate = make_case(2, 300 if not quick else 40, 6, seed=1, shape=shape)
     err = correctness(gate)
-    report = {"shape": f"H_q={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, block={BLOCK}, float32",
+    report = {"tree": shape, "shape": f"H_q={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, block={BLOCK}, float32",
               "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
               "correctness_max_abs_err": err, "ok": err < 2e-5, "results": []}
     if not report["ok"]:
@@ -193,7 +197,7 @@ def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: f
                 if time.perf_counter() - t_start > time_budget_s:
                     report.setdefault("skipped", []).append((batch, context, nodes))
                     continue
-                case = make_case(batch, context, nodes)
+                case = make_case(batch, context, nodes, shape=shape)
                 fns = providers(case)
                 for fn in fns.values():
                     fn()  # warm-up
@@ -206,14 +210,15 @@ def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: f
                 if "plan" in fns:
                     fns["plan"]()  # leave the plan cached for the next config's first call
                 med = {name: statistics.median(ts) for name, ts in times.items()}
-                row = {"batch": batch, "context": context, "nodes": nodes, **{f"{k}_ms": v for k, v in med.items()},
+                row = {"tree": shape, "batch": batch, "context": context, "nodes": nodes,
+                       **{f"{k}_ms": v for k, v in med.items()},
                        "ratio": med["tree_split"] / med["stock_causal"]}
                 report["results"].append(row)
                 print(f"B={batch:3d} ctx={context:5d} nodes={nodes}: stock {med['stock_causal']:.3f} ms, "
                       f"tree {med['tree_split']:.3f} ms ({row['ratio']:.2f}x), previous {med['previous']:.3f} ms "
                       f"({med['previous'] / med['stock_causal']:.2f}x), lse {med['lse_only']:.3f} ms, "
                       f"plan {med['plan']:.3f} ms", flush=True)
-    md = ["## CPU tree attention vs the stock kernel", "",
+    md = [f"## CPU tree attention vs the stock kernel ({shape} trees)", "",
           f"{report['shape']}, {report['threads']} thread(s), {repeats} interleaved rounds, median; "
           f"correctness gate max |err| = {err:.1e}", "",
           "| batch | context | nodes | stock causal ms | tree split ms | ratio | previous ms | ratio | side LSE ms "
@@ -236,11 +241,12 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--tree", default="binary", choices=["binary", "chain"], help="draft tree shape (15 nodes)")
     args = ap.parse_args(argv)
     root = Path(__file__).resolve().parents[2]
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    run(quick=args.quick, out_dir=args.out, repeats=args.repeats, time_budget_s=1e9)
+    run(quick=args.quick, out_dir=args.out, repeats=args.repeats, time_budget_s=1e9, shape=args.tree)
     return 0
 
 

@@ -86,16 +86,17 @@ def test_tree_rows_match_path_oracle(dtype, head_dim, hkv, g, window, softcap, s
     bs = 32 if isa == "vec" else 16
     self_test(isa, dtype, head_dim, bs, hkv)
     h = hkv * g
-    num_blocks = 24
+    num_blocks = 40
     kv_cache = torch.zeros(num_blocks, hkv, bs, 2 * head_dim, dtype=dtype)
     view = kv_cache.view(num_blocks, hkv, 2 * bs, head_dim)
     kc, vc = view.chunk(2, dim=2)
     perm = torch.randperm(num_blocks)
-    reqs, q_rows, block_table = [], 0, torch.zeros(4, 6, dtype=torch.int32)
+    reqs, q_rows, block_table = [], 0, torch.zeros(5, 8, dtype=torch.int32)
     k_per_req, v_per_req = [], []
-    for b, (ctx, n) in enumerate([(37, 6), (5, 3), (20, 0), (70, 9)]):  # n = 0: a request without a tree
-        tree = _random_tree(rng, n)
-        blocks = perm[b * 6: b * 6 + 6]
+    # n = 0: a request without a tree; the last request drafts a chain (no merge: the kernel's causal rows)
+    for b, (ctx, n) in enumerate([(37, 6), (5, 3), (20, 0), (70, 9), (44, 5)]):
+        tree = _random_tree(rng, n) if b < 4 else Tree.chain(n, list(range(n)))
+        blocks = perm[b * 8: b * 8 + 8]
         block_table[b] = blocks.to(torch.int32)
         seq_len = ctx + 1 + n
         k = torch.randn(seq_len, hkv, head_dim).to(dtype)

@@ -158,6 +158,17 @@ def test_kernel_split_sequences(windowed):
     assert int(ks.query_start_loc[-1]) == 13
 
 
+def test_kernel_split_keeps_chains_causal():
+    chain = Tree.chain(3, [1, 2, 3])
+    reqs = [TreeRequestStep("a", 0, 0, 9, chain, Mode.GREEDY, None, {}),
+            TreeRequestStep("b", 1, 4, 5, Tree([-1, -1], [1, 2]), Mode.GREEDY, None, {})]
+    qsl = torch.tensor([0, 4, 7], dtype=torch.int32)
+    ks = split.kernel_split(TreeStep(reqs), qsl, torch.tensor([13, 8], dtype=torch.int32),
+                            torch.zeros(2, 1, dtype=torch.int32), True, windowed=False)
+    assert ks.seq_lens.tolist() == [13, 6] and ks.causal.tolist() == [1, 0]
+    assert [r.req_id for r in split.branching(TreeStep(reqs)).requests] == ["b"]
+
+
 def test_kernel_split_refuses_tree_rows_that_are_not_last():
     tree = Tree([-1], [1])
     reqs = [TreeRequestStep("a", 0, 0, 5, tree, Mode.GREEDY, None, {})]

@@ -8,8 +8,9 @@ for the root, and the prefix part of every node. Each node's output is then
 merged with its tree part (its ancestors-or-self among the step's nodes) by
 log-sum-exp weights (`cpu_tree_split.py` has the math); the prefix's
 log-sum-exp is computed on the side from the paged cache, because vLLM's op
-does not return it. Ordinary rows (prefill, plain decode) go through the same
-call unchanged. Positions are depth-based, so a sliding window is measured in
+does not return it. Ordinary rows (prefill, plain decode) and chain-shaped
+trees (whose causal mask is their tree mask) go through the same call
+unchanged, with no merge: a chain costs what linear speculation costs. Positions are depth-based, so a sliding window is measured in
 positions; there the prefix part is computed over the window only. Softcap and
 attention sinks follow the kernel's math; ALiBi and quantised KV caches are
 refused at model load (`tree_check`).
@@ -41,8 +42,9 @@ class _Plan:
 
     kernel: split.KernelSplit
     scheduler_metadata: torch.Tensor
-    nodes: split.NodeRows
-    blocks: split.PrefixBlocks | None  # windowed layers only
+    merged: TreeStep  # the branching trees (chains need no merge)
+    nodes: split.NodeRows | None  # their nodes (None: nothing to merge)
+    blocks: split.PrefixBlocks | None  # their prefix blocks, windowed layers only
 
 
 def _plan(step: TreeStep, attn_metadata, block_size: int, window: int, num_heads: int, num_kv_heads: int,
@@ -60,8 +62,10 @@ def _plan(step: TreeStep, attn_metadata, block_size: int, window: int, num_heads
         seq_lens=ks.seq_lens, dtype=dtype, query_start_loc=ks.query_start_loc, causal=False,
         sliding_window_size=window if window > 0 else -1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
         dynamic_causal=ks.causal, kv_cache_dtype=kv_cache_dtype)
-    blocks = split.prefix_blocks(step, bt, block_size, window) if window > 0 else None
-    plan = _Plan(ks, sched, split.node_rows(step, bt, block_size), blocks)
+    merged = split.branching(step)
+    nodes = split.node_rows(merged, bt, block_size) if merged else None
+    blocks = split.prefix_blocks(merged, bt, block_size, window) if merged and window > 0 else None
+    plan = _Plan(ks, sched, merged, nodes, blocks)
     cache[key] = plan
     return plan
 
@@ -117,11 +121,12 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             softcap=self.logits_soft_cap, scheduler_metadata=plan.scheduler_metadata, s_aux=self.sinks,
             dynamic_causal=ks.causal, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype)
-        self._tree_merge(step, plan, query, kv_cache, attn_metadata.block_table, output, window)
+        if plan.merged:
+            self._tree_merge(plan, query, kv_cache, attn_metadata.block_table, output, window)
 
-    def _tree_merge(self, step: TreeStep, plan: _Plan, query: torch.Tensor, kv_cache: torch.Tensor,
-                    block_table: torch.Tensor, output: torch.Tensor, window: int) -> None:
-        """Overwrite every draft node's row with prefix part (+) tree part."""
+    def _tree_merge(self, plan: _Plan, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    output: torch.Tensor, window: int) -> None:
+        """Overwrite every branching tree's node rows with prefix part (+) tree part."""
         nodes = plan.nodes
         hkv, g, d = self.num_kv_heads, self.num_queries_per_kv, self.head_size
         B, n = nodes.rows.shape
@@ -130,7 +135,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if window > 0:  # the prefix part over the window, here
             lse_p, o_p = split.prefix_part(q, kv_cache, d, plan.blocks, nodes, values=True, **kw)
         else:  # the kernel's prefix output, with its log-sum-exp from the side
-            lse_p = split.prefix_lse(q, kv_cache, d, step, block_table, scale=self.scale,
+            lse_p = split.prefix_lse(q, kv_cache, d, plan.merged, block_table, scale=self.scale,
                                      softcap=self.logits_soft_cap)
             o_p = output.view(output.shape[0], hkv, g, d)[nodes.rows].float()
         lse_t, o_t = split.tree_part(q, kv_cache, d, nodes, **kw)

@@ -74,7 +74,8 @@ class PrefixBlocks:
 
 def kernel_split(step: TreeStep, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
                  causal, *, windowed: bool) -> KernelSplit:
-    """Sequences for vLLM's kernel: ordinary requests unchanged; a tree request becomes
+    """Sequences for vLLM's kernel: ordinary requests and chain-shaped trees unchanged (a chain's causal
+    mask is its tree mask, positions and window included); a branching tree request becomes
 
         [its rows before the root, causal]  (only if it also prefilled this step)
         root + nodes, non-causal over the P prefix keys        (windowed=False)
@@ -100,6 +101,9 @@ def kernel_split(step: TreeStep, query_start_loc: torch.Tensor, seq_lens: torch.
         if t.root_row + 1 + t.num_nodes != qsl[r + 1]:
             raise RuntimeError(f"request {t.req_id}: tree rows {t.root_row}..{t.root_row + t.num_nodes} are not the "
                                f"last query rows of the request (query rows {qsl[r]}..{qsl[r + 1] - 1})")
+        if t.tree.is_chain():
+            add(qsl[r + 1] - qsl[r], sls[r], True, r)
+            continue
         if t.root_row > qsl[r]:
             add(t.root_row - qsl[r], t.root_pos, True, r)
         if windowed:
@@ -111,6 +115,11 @@ def kernel_split(step: TreeStep, query_start_loc: torch.Tensor, seq_lens: torch.
     loc[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
     return KernelSplit(loc, torch.tensor(s_lens, dtype=torch.int32), torch.tensor(flags, dtype=torch.int32),
                        block_table[torch.tensor(bt_rows, dtype=torch.long)], max(q_lens))
+
+
+def branching(step: TreeStep) -> TreeStep:
+    """The tree requests whose nodes need the merge (chains are exact in the kernel's causal mask)."""
+    return TreeStep([r for r in step.requests if not r.tree.is_chain()])
 
 
 def node_rows(step: TreeStep, block_table: torch.Tensor, block_size: int) -> NodeRows:
