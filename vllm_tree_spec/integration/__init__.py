@@ -10,8 +10,8 @@
         TreeFlashAttentionBackend / TreeTritonAttentionBackend (documented registry, worker process only)
         Why: the stock kernels have no tree mask. What: one attention pass per layer in steps with trees.
               CPU: vLLM's `cpu_attention_with_kv_cache` is called once with our own sequence split (each
-              tree request's root + nodes as one non-causal sequence over the prefix, via its per-sequence
-              `dynamic_causal`), then each node is merged with its tree part by log-sum-exp weights (the
+              branching tree's root + nodes as one non-causal sequence over the prefix, via its per-sequence
+              `dynamic_causal`; chains stay causal), then each node is merged with its tree part by log-sum-exp weights (the
               prefix LSE computed on the side: the op returns none). GPU: the stock kernel does not run;
               the Triton tree kernel computes every row of the step from the paged cache.
         Removal: a tree/custom-mask argument in the attention ops, or (CPU) an LSE output of
