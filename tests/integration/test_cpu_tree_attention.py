@@ -8,6 +8,7 @@ vLLM's own cache op, so the test also pins our reading of the cache layout.
 
 import math
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -46,6 +47,25 @@ def _oracle(q, k_all, v_all, req: TreeRequestStep, scale, window, softcap, sinks
     return torch.stack(out)
 
 
+def _causal_oracle(q, k, v, scale, window, softcap, sinks, g):
+    """Rows 0..L-1 of plain causal attention over one contiguous sequence, in float64."""
+    L = q.shape[0]
+    pos = torch.arange(L)
+    vis = pos[None, :] <= pos[:, None]
+    if window:
+        vis &= pos[None, :] > pos[:, None] - window
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double().repeat_interleave(g, dim=1)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~vis[None], -math.inf)
+    if sinks is not None:
+        s = torch.cat([s, sinks.double()[:, None, None].expand(-1, L, 1)], dim=2)
+        p = torch.softmax(s, dim=2)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=2)
+    return torch.einsum("hqk,khd->qhd", p, v.double().repeat_interleave(g, dim=1))
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("dtype,head_dim,hkv,g,window,softcap,sinks", [
     (torch.float32, 32, 2, 2, 0, 0.0, False),
@@ -66,15 +86,16 @@ def test_tree_rows_match_path_oracle(dtype, head_dim, hkv, g, window, softcap, s
     bs = 32 if isa == "vec" else 16
     self_test(isa, dtype, head_dim, bs, hkv)
     h = hkv * g
-    num_blocks = 24
+    num_blocks = 40
     kv_cache = torch.zeros(num_blocks, hkv, bs, 2 * head_dim, dtype=dtype)
     view = kv_cache.view(num_blocks, hkv, 2 * bs, head_dim)
     kc, vc = view.chunk(2, dim=2)
     perm = torch.randperm(num_blocks)
-    reqs, q_rows, block_table = [], 0, torch.zeros(3, 8, dtype=torch.int32)
+    reqs, q_rows, block_table = [], 0, torch.zeros(5, 8, dtype=torch.int32)
     k_per_req, v_per_req = [], []
-    for b, (ctx, n) in enumerate([(37, 6), (5, 3), (70, 9)]):
-        tree = _random_tree(rng, n)
+    # n = 0: a request without a tree; the last request drafts a chain (no merge: the kernel's causal rows)
+    for b, (ctx, n) in enumerate([(37, 6), (5, 3), (20, 0), (70, 9), (44, 5)]):
+        tree = _random_tree(rng, n) if b < 4 else Tree.chain(n, list(range(n)))
         blocks = perm[b * 8: b * 8 + 8]
         block_table[b] = blocks.to(torch.int32)
         seq_len = ctx + 1 + n
@@ -96,7 +117,14 @@ def test_tree_rows_match_path_oracle(dtype, head_dim, hkv, g, window, softcap, s
     impl.sliding_window, impl.logits_soft_cap = (window or -1), softcap
     impl.sinks = torch.randn(h) if sinks else None
     impl.alibi_slopes = None
-    impl._tree_rows(TreeStep(reqs), query, kv_cache, block_table, output)
+    impl.kv_cache_dtype, impl.is_fp8_kv_cache = "auto", False
+    seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int32)
+    qsl = torch.zeros(len(reqs) + 1, dtype=torch.int32)
+    qsl[1:] = seq_lens.cumsum(0)
+    md = SimpleNamespace(query_start_loc=qsl, seq_lens=seq_lens, block_table=block_table, num_actual_tokens=q_rows,
+                         causal=True, dynamic_causal=None)
+    layer = SimpleNamespace(isa=isa, _k_scale_float=1.0, _v_scale_float=1.0)
+    impl._tree_forward(layer, TreeStep([r for r in reqs if r.num_nodes]), query, kv_cache, md, output)
 
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     offset = 0
@@ -104,7 +132,13 @@ def test_tree_rows_match_path_oracle(dtype, head_dim, hkv, g, window, softcap, s
         shifted = TreeRequestStep(req.req_id, req.req_index, req.root_row - offset, req.root_pos, req.tree,
                                   req.mode, None, {})
         q_req = query[offset: offset + req.seq_len]
-        expected = _oracle(q_req, k, v, shifted, impl.scale, window, softcap, impl.sinks, g)
-        got = output[req.root_row + 1: req.root_row + 1 + req.num_nodes].double()
-        assert torch.allclose(got, expected, atol=tol, rtol=tol), (got - expected).abs().max()
+        if req.num_nodes:
+            expected = _oracle(q_req, k, v, shifted, impl.scale, window, softcap, impl.sinks, g)
+            got = output[req.root_row + 1: req.root_row + 1 + req.num_nodes].double()
+            assert torch.allclose(got, expected, atol=tol, rtol=tol), (got - expected).abs().max()
+        # every row before the nodes (prefill rows and the root) is plain causal attention
+        causal = _causal_oracle(q_req[: req.root_pos + 1], k[: req.root_pos + 1], v[: req.root_pos + 1],
+                                impl.scale, window, softcap, impl.sinks, g)
+        got = output[offset: req.root_row + 1].double()
+        assert torch.allclose(got, causal, atol=tol, rtol=tol), (got - causal).abs().max()
         offset += req.seq_len

@@ -64,8 +64,10 @@ def _controls():
     from vllm_tree_spec.integration import runner as runner_mod
     from vllm_tree_spec.integration.cpu_attention import TreeCPUAttentionImpl
 
-    def causal_mask_only(self, *args, **kwargs):  # keep the stock (chain-causal) kernel output
-        return None
+    def causal_mask_only(self, layer, step, query, kv_cache, attn_metadata, output):  # the stock (chain-causal) kernel
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+        CPUAttentionBackendImpl.forward(self, layer, query, None, None, kv_cache, attn_metadata, output)
 
     def linear_positions(self, root_row, root_pos, tree):  # leave vLLM's linear positions
         return None
@@ -79,7 +81,7 @@ def _controls():
     from vllm_tree_spec.integration import kv_layout
 
     return {
-        "no-tree-mask": [(TreeCPUAttentionImpl, "_tree_rows", causal_mask_only)],
+        "no-tree-mask": [(TreeCPUAttentionImpl, "_tree_forward", causal_mask_only)],
         "linear-positions": [(runner_mod.TreeRunnerMixin, "_tree_set_positions", linear_positions)],
         "no-kv-commit": [(adapters_mod, "commit_accepted_paths", no_commit)],
         "commit-off-by-one": [(kv_layout, "compaction_pairs", commit_off_by_one)],

@@ -1,11 +1,13 @@
-"""The GPU path's pieces, on CPU: tree rows on vLLM's FLASH_ATTN/TRITON_ATTN cache, commit, config route.
+"""The GPU path's pieces, on CPU: one-pass attention on vLLM's FLASH_ATTN/TRITON_ATTN cache, commit, config route.
 
 No GPU here: the Triton tree-attention kernel runs under TRITON_INTERPRET=1
 (set by tests/conftest.py) on CPU tensors laid out exactly as vLLM 0.32's GPU
 backends lay out their caches ([num_blocks, Hkv, block_size, 2 * D] logical,
-with either physical order). Every draft node's output is checked against a
-plain attention over its own root-to-node path (the path invariant); rows of
-other requests and the roots must stay as the stock kernel left them.
+with either physical order). In a step with trees the kernel computes every
+row (the stock kernel does not run): every draft node's output is checked
+against a plain attention over its own root-to-node path (the path invariant),
+every other row (roots, decode rows, prefill chunks) against plain causal
+attention over its own prefix.
 """
 
 from __future__ import annotations
@@ -46,42 +48,44 @@ def make_batch(seed: int, *, hq=4, hkv=2, d=24, block_size=16, num_blocks=48):
     rng.shuffle(kinds)
     max_blocks = 8
     block_table = torch.stack([torch.randperm(num_blocks, generator=gen)[:max_blocks] for _ in kinds]).int()
-    reqs, row, meta = [], 0, []
+    reqs, row, q_lens, seq_lens = [], 0, [], []
     for b, kind in enumerate(kinds):
         if kind == "tree":
             n = rng.randint(1, 12)
             root_pos = rng.randint(0, max_blocks * block_size - n - 2)  # crosses block boundaries
             tree = random_tree(rng, n)
             reqs.append(TreeRequestStep(f"r{b}", b, row, root_pos, tree, Mode.GREEDY, None))
-            row += n + 1
+            q_len, seq_len = n + 1, root_pos + 1 + n
         else:
-            row += 1 if kind == "decode" else 3
-        meta.append(kind)
+            q_len = 1 if kind == "decode" else 3
+            seq_len = rng.randint(q_len, max_blocks * block_size)
+        q_lens.append(q_len)
+        seq_lens.append(seq_len)
+        row += q_len
     query = torch.randn(row, hq * d, generator=gen)
+    qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    md = SimpleNamespace(query_start_loc=qsl, seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+                         block_table=block_table, num_actual_tokens=row, max_query_len=max(q_lens),
+                         max_seq_len=max(seq_lens), causal=True)
     return SimpleNamespace(step=TreeStep(reqs), query=query, block_table=block_table, hq=hq, hkv=hkv, d=d,
-                           block_size=block_size, num_blocks=num_blocks, gen=gen, rows=row)
+                           block_size=block_size, num_blocks=num_blocks, gen=gen, rows=row, md=md)
 
 
 def slot_of(block_table_row: torch.Tensor, index: int, block_size: int) -> int:
     return int(block_table_row[index // block_size]) * block_size + index % block_size
 
 
-def path_oracle(case, kv_cache, req: TreeRequestStep, node: int, *, scale, window=None, softcap=None,
-                sinks=None) -> torch.Tensor:
-    """[H, D] fp64 attention of one node over its prefix + root-to-node path (positions root_pos + depth)."""
+def _attend(case, kv_cache, b, q_row, key_index, key_pos, qpos, *, scale, window=None, softcap=None, sinks=None):
+    """[H, D] fp64 attention of one query row over the given key slots (positions key_pos) of request b."""
     hq, hkv, d, bs = case.hq, case.hkv, case.d, case.block_size
-    bt = case.block_table[req.req_index]
-    path = req.tree.path_to(node)  # ancestors then the node
-    key_index = list(range(req.root_pos + 1)) + [req.root_pos + 1 + j for j in path]
-    key_pos = list(range(req.root_pos + 1)) + [req.root_pos + int(req.tree.depth[j]) for j in path]
-    qpos = req.root_pos + int(req.tree.depth[node])
+    bt = case.block_table[b]
     if window is not None:
         keep = [i for i, p in enumerate(key_pos) if p > qpos - window]
         key_index = [key_index[i] for i in keep]
     slots = torch.tensor([slot_of(bt, k, bs) for k in key_index])
     rows = kv_cache[slots // bs, :, slots % bs].double()  # [L, Hkv, 2D]
     k, v = rows[..., :d], rows[..., d:]
-    q = case.query[req.root_row + 1 + node].view(hq, d).double()
+    q = case.query[q_row].view(hq, d).double()
     g = hq // hkv
     s = torch.einsum("hd,lhd->hl", q, k.repeat_interleave(g, dim=1)) * scale  # [H, L]
     if softcap:
@@ -96,51 +100,66 @@ def path_oracle(case, kv_cache, req: TreeRequestStep, node: int, *, scale, windo
     return torch.einsum("hl,lhd->hd", e / den, v.repeat_interleave(g, dim=1))
 
 
+def path_oracle(case, kv_cache, req: TreeRequestStep, node: int, **kw) -> torch.Tensor:
+    """A node over its prefix + root-to-node path (positions root_pos + depth)."""
+    path = req.tree.path_to(node)  # ancestors then the node
+    key_index = list(range(req.root_pos + 1)) + [req.root_pos + 1 + j for j in path]
+    key_pos = list(range(req.root_pos + 1)) + [req.root_pos + int(req.tree.depth[j]) for j in path]
+    qpos = req.root_pos + int(req.tree.depth[node])
+    return _attend(case, kv_cache, req.req_index, req.root_row + 1 + node, key_index, key_pos, qpos, **kw)
+
+
 def check_rows(case, kv_cache, out, **kw) -> None:
-    node_rows = set()
+    node_rows = {}
     for req in case.step.requests:
         for i in range(req.num_nodes):
-            r = req.root_row + 1 + i
-            node_rows.add(r)
-            want = path_oracle(case, kv_cache, req, i, **kw)
+            node_rows[req.root_row + 1 + i] = (req, i)
+    qsl, sls = case.md.query_start_loc.tolist(), case.md.seq_lens.tolist()
+    for b in range(len(sls)):
+        for r in range(qsl[b], qsl[b + 1]):
+            if r in node_rows:
+                req, i = node_rows[r]
+                want, what = path_oracle(case, kv_cache, req, i, **kw), f"{req.req_id} node {i}"
+            else:  # causal: the row's slot is seq_len - q_len + its index
+                pos = sls[b] - (qsl[b + 1] - qsl[b]) + r - qsl[b]
+                want = _attend(case, kv_cache, b, r, list(range(pos + 1)), list(range(pos + 1)), pos, **kw)
+                what = f"request {b} causal row {r}"
             got = out[r].view(case.hq, case.d).double()
-            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=f"{req.req_id} node {i}")
-    others = [r for r in range(case.rows) if r not in node_rows]
-    assert torch.all(out[others] == SENTINEL), "rows other than draft nodes must keep the stock kernel's output"
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5, msg=what)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("physical_nhd", [True, False])
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_tree_rows_match_path_attention(seed, physical_nhd, backend):
-    from vllm_tree_spec.integration.gpu_attention import tree_rows_paged
+def test_every_row_matches_its_own_history(seed, physical_nhd, backend):
+    from vllm_tree_spec.integration.gpu_attention import attention_paged
 
     case = make_batch(seed)
     kv = paged_cache(case.gen, case.num_blocks, case.block_size, case.hkv, case.d, physical_nhd)
     out = torch.full_like(case.query, SENTINEL)
     scale = 1 / math.sqrt(case.d)
-    tree_rows_paged(case.step, case.query, kv, case.block_table, out, num_heads=case.hq, head_size=case.d,
-                    scale=scale, backend=backend)
+    attention_paged(case.step, case.query, kv, case.md, out, num_heads=case.hq, head_size=case.d, scale=scale,
+                    backend=backend)
     check_rows(case, kv, out, scale=scale)
 
 
 @pytest.mark.parametrize("seed", [3, 4])
-def test_tree_rows_window_softcap_sinks(seed):
-    from vllm_tree_spec.integration.gpu_attention import tree_rows_paged
+def test_rows_window_softcap_sinks(seed):
+    from vllm_tree_spec.integration.gpu_attention import attention_paged
 
     case = make_batch(seed)
     kv = paged_cache(case.gen, case.num_blocks, case.block_size, case.hkv, case.d, True)
     out = torch.full_like(case.query, SENTINEL)
     sinks = torch.randn(case.hq, generator=case.gen)
     kw = dict(scale=0.3, window=7, softcap=5.0, sinks=sinks)
-    tree_rows_paged(case.step, case.query, kv, case.block_table, out, num_heads=case.hq, head_size=case.d,
+    attention_paged(case.step, case.query, kv, case.md, out, num_heads=case.hq, head_size=case.d,
                     scale=0.3, sliding_window=7, softcap=5.0, sinks=sinks)
     check_rows(case, kv, out, **kw)
 
 
-def test_tree_rows_detects_a_wrong_mask():
+def test_rows_detect_a_wrong_mask():
     """The oracle is sharp: the plain causal (chain) mask over the same rows fails it."""
-    from vllm_tree_spec.integration.gpu_attention import tree_rows_paged
+    from vllm_tree_spec.integration.gpu_attention import attention_paged
 
     case = make_batch(5)
     branching = [r for r in case.step.requests if bool((r.tree.parents != torch.arange(r.num_nodes) - 1).any())]
@@ -149,21 +168,63 @@ def test_tree_rows_detects_a_wrong_mask():
                               r.mode, None) for r in case.step.requests]
     kv = paged_cache(case.gen, case.num_blocks, case.block_size, case.hkv, case.d, False)
     out = torch.full_like(case.query, SENTINEL)
-    tree_rows_paged(TreeStep(chains), case.query, kv, case.block_table, out, num_heads=case.hq, head_size=case.d,
-                    scale=0.2)
+    attention_paged(TreeStep(chains), case.query, kv, case.md, out, num_heads=case.hq, head_size=case.d, scale=0.2)
     with pytest.raises(AssertionError):
         check_rows(case, kv, out, scale=0.2)
 
 
-def test_plan_is_built_once_per_step_and_block_table():
-    from vllm_tree_spec.integration.gpu_attention import plan_tree_rows
+def test_plan_is_built_once_per_step_and_covers_the_batch():
+    from vllm_tree_spec.integration.gpu_attention import plan_step
 
     case = make_batch(6)
-    p1 = plan_tree_rows(case.step, case.block_table)
-    assert plan_tree_rows(case.step, case.block_table) is p1
+    num_reqs = case.md.seq_lens.shape[0]
+    p1 = plan_step(case.step, num_reqs, "cpu")
+    assert plan_step(case.step, num_reqs, "cpu") is p1
     total = sum(r.num_nodes for r in case.step.requests)
-    assert p1.packed_mask.shape[0] == total == p1.depth.shape[0] == p1.node_rows.shape[0]
-    assert p1.query_start_loc[-1] == total + len(case.step.requests)
+    assert p1.packed_mask.shape[0] == total == p1.depth.shape[0] == int(p1.cu_num_nodes[-1])
+    counts = (p1.cu_num_nodes[1:] - p1.cu_num_nodes[:-1]).tolist()
+    assert counts == [next((r.num_nodes for r in case.step.requests if r.req_index == b), 0) for b in range(num_reqs)]
+
+
+def test_refuses_metadata_it_does_not_model():
+    from vllm_tree_spec.integration.gpu_attention import attention_paged
+
+    case = make_batch(8)
+    kv = paged_cache(case.gen, case.num_blocks, case.block_size, case.hkv, case.d, False)
+    out = torch.empty_like(case.query)
+    kw = dict(num_heads=case.hq, head_size=case.d, scale=0.2)
+    case.md.causal = torch.ones(5, dtype=torch.bool)
+    with pytest.raises(NotImplementedError, match="causal decoder attention only"):
+        attention_paged(case.step, case.query, kv, case.md, out, **kw)
+    case.md.causal, case.md.mm_prefix_range_tensor = True, torch.zeros(1)
+    with pytest.raises(NotImplementedError, match="mm_prefix_range_tensor"):
+        attention_paged(case.step, case.query, kv, case.md, out, **kw)
+
+
+def test_one_pass_reads_no_device_tensor_on_the_host(monkeypatch):
+    """No .item() / .tolist() / int() / bool() on the step's device-side tensors (vLLM metadata, query, cache):
+    on a GPU each would be a device->host sync per layer. The kernel gets vLLM's host-side max lengths."""
+    from vllm_tree_spec.integration.gpu_attention import attention_paged
+
+    case = make_batch(9)
+    kv = paged_cache(case.gen, case.num_blocks, case.block_size, case.hkv, case.d, False)
+    out = torch.empty_like(case.query)
+    device_side = {t.data_ptr() for t in (case.query, kv, out, case.md.query_start_loc, case.md.seq_lens,
+                                          case.md.block_table)}
+    reads = []
+    for name in ("item", "tolist", "__int__", "__bool__", "__float__", "__index__"):
+        orig = getattr(torch.Tensor, name)
+
+        def spy(self, *a, _orig=orig, _name=name, **k):
+            if self.data_ptr() in device_side:
+                reads.append(_name)
+            return _orig(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, spy)
+    attention_paged(case.step, case.query, kv, case.md, out, num_heads=case.hq, head_size=case.d, scale=0.2)
+    monkeypatch.undo()
+    assert reads == []
+    check_rows(case, kv, out, scale=0.2)
 
 
 # ---------------------------------------------------------------------------
@@ -179,7 +240,7 @@ class _StockImpl:
         return output
 
 
-def test_mixin_forward_recomputes_only_tree_rows_with_vllm_window_convention():
+def test_mixin_forward_computes_the_step_once_with_vllm_window_convention():
     from vllm_tree_spec.integration.gpu_attention import TreePagedAttentionMixin
 
     class Impl(TreePagedAttentionMixin, _StockImpl):
@@ -190,16 +251,17 @@ def test_mixin_forward_recomputes_only_tree_rows_with_vllm_window_convention():
     impl.num_heads, impl.head_size, impl.scale = case.hq, case.d, 0.25
     impl.sliding_window, impl.logits_soft_cap, impl.sinks = (5, 0), 0, None  # vLLM stores (W - 1, 0)
     kv = paged_cache(case.gen, case.num_blocks, case.block_size, case.hkv, case.d, True)
-    out = torch.empty_like(case.query)
-    md = SimpleNamespace(tree_step=case.step, block_table=case.block_table)
+    out = torch.full_like(case.query, SENTINEL)
+    md = case.md
+    md.tree_step = case.step
     layer = SimpleNamespace(layer_name="model.layers.0.self_attn.attn")
     impl.forward(layer, case.query, None, None, kv, md, out)
-    check_rows(case, kv, out, scale=0.25, window=6)
+    check_rows(case, kv, out, scale=0.25, window=6)  # no row kept the stock kernel's sentinel
     assert case.step.applied == {layer.layer_name}  # counted by the runner's per-step check
     case.step.check_applied({layer.layer_name})
     with pytest.raises(RuntimeError, match="1 of 2 attention layers"):
         case.step.check_applied({layer.layer_name, "model.layers.1.self_attn.attn"})
-    md.tree_step = TreeStep([])  # a step without trees: the stock output, untouched
+    md.tree_step = TreeStep([])  # a step without trees: the stock kernel
     impl.forward(layer, case.query, None, None, kv, md, out)
     assert torch.all(out == SENTINEL) and not md.tree_step.applied
 

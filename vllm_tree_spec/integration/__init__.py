@@ -8,10 +8,16 @@
         Removal: an upstream plugin hook for speculative methods (a registry like the attention backends').
     P2  AttentionBackendEnum.CPU_ATTN -> TreeCPUAttentionBackend; FLASH_ATTN / TRITON_ATTN ->
         TreeFlashAttentionBackend / TreeTritonAttentionBackend (documented registry, worker process only)
-        Why: the stock kernels have no tree mask. What: stock kernel, then draft rows recomputed with the
-              mask (CPU: SDPA over gathered keys; GPU: the Triton tree kernel on the paged cache).
-        Removal: a tree/custom-mask argument in the attention ops (the CPU op has an unused tree_mask in
-              extend_attention_cpu; Triton unified_attention's qq_bias is one 2-D bias per batch).
+        Why: the stock kernels have no tree mask. What: one attention pass per layer in steps with trees.
+              CPU: vLLM's `cpu_attention_with_kv_cache` is called once with our own sequence split (each
+              branching tree's root + nodes as one non-causal sequence over the prefix, via its per-sequence
+              `dynamic_causal`; chains stay causal), then each node is merged with its tree part by log-sum-exp weights (the
+              prefix LSE computed on the side: the op returns none). GPU: the stock kernel does not run;
+              the Triton tree kernel computes every row of the step from the paged cache.
+        Removal: a tree/custom-mask argument in the attention ops, or (CPU) an LSE output of
+              cpu_attention_with_kv_cache, which would remove the side pass (extend_attention_cpu's
+              tree_mask is bf16/fp16 only, token-major and refuses sliding windows; Triton
+              unified_attention's qq_bias is one 2-D bias per batch).
     P3  vllm.v1.worker.cpu_worker.CPUModelRunner swapped during TreeCPUWorker.init_device only
         Why: CPUWorker builds its runner by module-global name and has no factory hook.
         Removal: a `_make_model_runner` hook on CPUWorker (GPU's Worker has one; TreeGPUWorker uses it).

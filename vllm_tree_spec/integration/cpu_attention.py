@@ -1,126 +1,147 @@
-"""Tree-masked attention on vLLM's CPU backend (an override of CPU_ATTN).
+"""Tree-masked attention on vLLM's CPU backend (an override of CPU_ATTN), one pass per layer.
 
 vLLM's CPU kernel knows causal, sliding-window and per-sequence causal masks,
-not tree masks. The override runs the stock kernel for every row (exact for
-prefill rows and tree roots, whose visible set is the plain causal prefix) and
-then recomputes every draft node's row with an explicit mask over its
-request's keys gathered from the paged cache: the committed prefix, the root,
-and the node's ancestors-or-self. Positions are depth-based, so a sliding
-window is measured in positions. Softcap and attention sinks follow the
-kernel's math; ALiBi is refused.
+not tree masks. In a tree step the override calls the kernel once for every
+row of the step, with metadata in which each tree request's root and nodes are
+one non-causal sequence over the prefix slots (committed prefix + root): exact
+for the root, and the prefix part of every node. Each node's output is then
+merged with its tree part (its ancestors-or-self among the step's nodes) by
+log-sum-exp weights (`cpu_tree_split.py` has the math); the prefix's
+log-sum-exp is computed on the side from the paged cache, because vLLM's op
+does not return it. Ordinary rows (prefill, plain decode) and chain-shaped
+trees (whose causal mask is their tree mask) go through the same call
+unchanged, with no merge: a chain costs what linear speculation costs. Positions are depth-based, so a sliding window is measured in
+positions; there the prefix part is computed over the window only. Softcap and
+attention sinks follow the kernel's math; ALiBi and quantised KV caches are
+refused at model load (`tree_check`).
 
-All tree requests of a layer are handled in one padded batch; the gather
-indices and masks are built once per step (`_plan`) and shared by every layer
-of the KV-cache group. It is registered in the worker process by
+The split metadata and node indices are built once per step and shared by
+every layer of the KV-cache group. It is registered in the worker process by
 `TreeCPUWorker` (the only place where tree speculation is active), through
-vLLM's documented backend registry. The gather is O(context) per layer: fine
-for CPU serving of small models; GPUs use the Triton tree-attention kernel.
+vLLM's documented backend registry.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from vllm import _custom_ops as ops
+from vllm import envs
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
+from vllm_tree_spec.integration import cpu_tree_split as split
 from vllm_tree_spec.integration import kv_layout
 from vllm_tree_spec.integration.tree_step import TreeStep
 
 
 @dataclass
 class _Plan:
-    """Gather indices and masks for all tree requests of one step (one KV-cache group)."""
+    """Everything a layer needs for one step (one KV-cache group, one window setting)."""
 
-    slots: torch.Tensor  # [B, S] cache slot of every key (padding: slot 0, masked)
-    rows: torch.Tensor  # [B, n] flattened query row of every draft node (padding: row 0)
-    row_valid: torch.Tensor  # [B, n] bool
-    mask: torch.Tensor  # [B, n, S] bool: node may attend to key
+    kernel: split.KernelSplit
+    scheduler_metadata: torch.Tensor
+    merged: TreeStep  # the branching trees (chains need no merge)
+    nodes: split.NodeRows | None  # their nodes (None: nothing to merge)
+    blocks: split.PrefixBlocks | None  # their prefix blocks, windowed layers only
 
 
-def _plan(step: TreeStep, block_table: torch.Tensor, block_size: int, window: int) -> _Plan:
+def _plan(step: TreeStep, attn_metadata, block_size: int, window: int, num_heads: int, num_kv_heads: int,
+          head_size: int, dtype: torch.dtype, isa: str, kv_cache_dtype: str) -> _Plan:
     cache = step.__dict__.setdefault("_cpu_attn_plans", {})
-    key = (block_table.data_ptr(), block_size, window)
+    bt = attn_metadata.block_table
+    key = (bt.data_ptr(), block_size, window, num_heads)
     if key in cache:
         return cache[key]
-    reqs = step.requests
-    B = len(reqs)
-    S = max(r.seq_len for r in reqs)
-    n = max(r.num_nodes for r in reqs)
-    slots = torch.zeros(B, S, dtype=torch.long)
-    rows = torch.zeros(B, n, dtype=torch.long)
-    row_valid = torch.zeros(B, n, dtype=torch.bool)
-    mask = torch.zeros(B, n, S, dtype=torch.bool)
-    for b, r in enumerate(reqs):
-        pos = torch.arange(r.seq_len)
-        slots[b, : r.seq_len] = block_table[r.req_index, pos // block_size].to(torch.long) * block_size + \
-            pos % block_size
-        rows[b, : r.num_nodes] = torch.arange(r.root_row + 1, r.root_row + 1 + r.num_nodes)
-        row_valid[b, : r.num_nodes] = True
-        m = r.node_mask()  # [n_b, S_b]
-        if window > 0:
-            kpos = r.key_positions()
-            qpos = r.root_pos + r.tree.depth
-            m &= kpos[None, :] > qpos[:, None] - window
-        mask[b, : r.num_nodes, : r.seq_len] = m
-    cache[key] = _Plan(slots, rows, row_valid, mask)
-    return cache[key]
+    causal = attn_metadata.dynamic_causal if attn_metadata.dynamic_causal is not None else attn_metadata.causal
+    ks = split.kernel_split(step, attn_metadata.query_start_loc, attn_metadata.seq_lens, bt, causal,
+                            windowed=window > 0)
+    sched = ops.cpu_attn_get_scheduler_metadata(
+        num_reqs=ks.seq_lens.shape[0], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_size,
+        seq_lens=ks.seq_lens, dtype=dtype, query_start_loc=ks.query_start_loc, causal=False,
+        sliding_window_size=window if window > 0 else -1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        dynamic_causal=ks.causal, kv_cache_dtype=kv_cache_dtype)
+    merged = split.branching(step)
+    nodes = split.node_rows(merged, bt, block_size) if merged else None
+    blocks = split.prefix_blocks(merged, bt, block_size, window) if merged and window > 0 else None
+    plan = _Plan(ks, sched, merged, nodes, blocks)
+    cache[key] = plan
+    return plan
 
 
 class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
     tree_aware = True  # asserted at model load; each tree step also checks that every layer marked itself
     tree_kv_layout = "cpu_attn"  # how commit.py moves rows of this cache
 
+    def tree_check(self) -> None:
+        """Refuse, at model load, what the tree path cannot compute exactly."""
+        from vllm_tree_spec.config import TreeSpecError
+
+        if self.alibi_slopes is not None:
+            raise TreeSpecError("tree speculation does not support ALiBi attention on CPU")
+        if self.is_fp8_kv_cache:
+            raise TreeSpecError(f"tree attention on CPU reads unquantised KV caches only; drop --kv-cache-dtype "
+                                f"{self.kv_cache_dtype}")
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                                 output_block_scale)
         step: TreeStep | None = getattr(attn_metadata, "tree_step", None)
         if attn_metadata is None or not step:
-            return output
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("tree speculation does not support fused output quantisation")
         if self.alibi_slopes is not None:
             raise NotImplementedError("tree speculation does not support ALiBi attention on CPU")
         kv_layout.self_test(layer.isa, kv_cache.dtype, self.head_size, kv_cache.shape[2], self.num_kv_heads)
-        self._tree_rows(step, query, kv_cache, attn_metadata.block_table, output)
+        self._tree_forward(layer, step, query, kv_cache, attn_metadata, output)
         step.mark_applied(getattr(layer, "layer_name", None))  # counted by the runner after the forward
         return output
 
-    def _tree_rows(self, step: TreeStep, query: torch.Tensor, kv_cache: torch.Tensor,
-                   block_table: torch.Tensor, output: torch.Tensor) -> None:
-        """Recompute every draft node's output row with its tree mask (all tree requests at once)."""
-        window = self.sliding_window if self.sliding_window is not None and self.sliding_window > 0 else 0
-        plan = _plan(step, block_table, kv_cache.shape[2], window)
-        B, S = plan.slots.shape
-        n = plan.rows.shape[1]
+    def _tree_window(self) -> int:
+        return self.sliding_window if self.sliding_window is not None and self.sliding_window > 0 else 0
+
+    def _tree_forward(self, layer, step: TreeStep, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata,
+                      output: torch.Tensor) -> None:
+        """One kernel call for every row (tree requests split into prefix-only rows), then the node merge."""
+        window = self._tree_window()
+        plan = _plan(step, attn_metadata, kv_cache.shape[2], window, self.num_heads, self.num_kv_heads,
+                     self.head_size, query.dtype, layer.isa, self.kv_cache_dtype)
+        if self.sinks is not None and self.sinks.dtype not in (torch.bfloat16, torch.float32):
+            self.sinks = self.sinks.to(torch.float32)  # as the stock forward does
+        nb, hkv, bs, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
+        t = attn_metadata.num_actual_tokens
+        ks = plan.kernel
+        ops.cpu_attention_with_kv_cache(
+            query=query[:t], key_cache=key_cache, value_cache=value_cache, output=output[:t],
+            query_start_loc=ks.query_start_loc, seq_lens=ks.seq_lens, scale=self.scale, causal=False,
+            alibi_slopes=None, sliding_window=self.sliding_window, block_table=ks.block_table,
+            softcap=self.logits_soft_cap, scheduler_metadata=plan.scheduler_metadata, s_aux=self.sinks,
+            dynamic_causal=ks.causal, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+            kv_cache_dtype=self.kv_cache_dtype)
+        if plan.merged:
+            self._tree_merge(plan, query, kv_cache, attn_metadata.block_table, output, window)
+
+    def _tree_merge(self, plan: _Plan, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    output: torch.Tensor, window: int) -> None:
+        """Overwrite every branching tree's node rows with prefix part (+) tree part."""
+        nodes = plan.nodes
         hkv, g, d = self.num_kv_heads, self.num_queries_per_kv, self.head_size
-        k, v = kv_layout.cpu_gather(kv_cache, plan.slots.flatten(), d)  # [B * S, Hkv, D] each
+        B, n = nodes.rows.shape
+        q = query.view(query.shape[0], hkv, g, d)[nodes.rows].float()  # [B, n, Hkv, G, D]
+        kw = dict(scale=self.scale, softcap=self.logits_soft_cap, window=window)
+        if window > 0:  # the prefix part over the window, here
+            lse_p, o_p = split.prefix_part(q, kv_cache, d, plan.blocks, nodes, values=True, **kw)
+        else:  # the kernel's prefix output, with its log-sum-exp from the side
+            lse_p = split.prefix_lse(q, kv_cache, d, plan.merged, block_table, scale=self.scale,
+                                     softcap=self.logits_soft_cap)
+            o_p = output.view(output.shape[0], hkv, g, d)[nodes.rows].float()
+        lse_t, o_t = split.tree_part(q, kv_cache, d, nodes, **kw)
+        res = split.merge(o_p, lse_p, o_t, lse_t, self.sinks, kernel_prefix=window == 0)  # [B, n, Hkv, G, D]
         out = output.view(output.shape[0], hkv * g * d)
-        valid = plan.row_valid.flatten()
-        if self.sinks is None and not self.logits_soft_cap:
-            # fused SDPA with a boolean mask; GQA without materialising repeated K/V
-            qs = query.view(query.shape[0], hkv * g, d)[plan.rows].transpose(1, 2)  # [B, H, n, D]
-            ks = k.view(B, S, hkv, d).transpose(1, 2).to(qs.dtype)  # [B, Hkv, S, D]
-            vs = v.view(B, S, hkv, d).transpose(1, 2).to(qs.dtype)
-            res = torch.nn.functional.scaled_dot_product_attention(
-                qs, ks, vs, attn_mask=plan.mask[:, None], scale=self.scale, enable_gqa=g > 1)  # [B, H, n, D]
-            out[plan.rows.flatten()[valid]] = res.transpose(1, 2).reshape(B * n, -1)[valid].to(out.dtype)
-            return
-        k = k.view(B, S, hkv, d).float()
-        v = v.view(B, S, hkv, d).float()
-        q = query.view(query.shape[0], hkv, g, d)[plan.rows].float()  # [B, n, Hkv, G, D]
-        scores = torch.einsum("bnkgd,bskd->bkgns", q, k) * self.scale  # [B, Hkv, G, n, S]
-        if self.logits_soft_cap:
-            scores = self.logits_soft_cap * torch.tanh(scores / self.logits_soft_cap)
-        scores = scores.masked_fill(~plan.mask[:, None, None], -math.inf)
-        if self.sinks is not None:
-            sink = self.sinks.float().view(1, hkv, g, 1, 1).expand(B, hkv, g, n, 1)
-            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-        else:
-            probs = torch.softmax(scores, dim=-1)
-        res = torch.einsum("bkgns,bskd->bnkgd", probs, v)  # [B, n, Hkv, G, D]
-        out[plan.rows.flatten()[valid]] = res.reshape(B * n, hkv * g * d)[valid].to(out.dtype)
+        out[nodes.rows[nodes.valid]] = res[nodes.valid].reshape(-1, hkv * g * d).to(out.dtype)
 
 
 class TreeCPUAttentionBackend(CPUAttentionBackend):

