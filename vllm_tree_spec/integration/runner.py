@@ -143,11 +143,18 @@ class TreeRunnerMixin:
                     else list(range(int(qsl[i]), int(qsl[i + 1]))) for i, rid in enumerate(req_ids)]
             aux = args[3] if len(args) > 3 else kwargs.get("aux_hidden_states")  # vLLM's 6th argument
             observe(req_ids, rows, self.positions, aux)
-        trees = self.drafter.propose_trees(requests, budgets)
+        # Partial prefills are not proposed for: part of their context is not computed yet (an EAGLE-3
+        # head would look for target features the next chunk computes); vLLM drops their drafts anyway.
+        ready = [i for i in range(len(req_ids)) if i < len(sampled_token_ids) and len(sampled_token_ids[i])]
+        trees = dict(zip(ready, self.drafter.propose_trees([requests[i] for i in ready], [budgets[i] for i in ready])))
         drafts: list[list[int]] = []
         # Not reset per step: a running request the scheduler skips (token budget spent on a prefill chunk)
         # keeps its drafts and is verified with them later. Entries go when the request finishes.
-        for rid, dt, nodes in zip(req_ids, trees, budgets):
+        for i, (rid, nodes) in enumerate(zip(req_ids, budgets)):
+            dt = trees.get(i)
+            if dt is None:
+                drafts.append([])
+                continue
             if dt.tree.num_nodes > nodes:
                 raise RuntimeError(f"drafter returned {dt.tree.num_nodes} nodes for a budget of {nodes}")
             self._tree_drafts[rid] = dt
