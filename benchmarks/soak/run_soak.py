@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     ap.add_argument("--spec", default=json.dumps(DEFAULT_SPEC), help="the tree server's --speculative-config")
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--requests", type=int, default=500, help="requests in all, over the streams")
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up requests (default: 2 x streams)")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up requests (default: 4 x streams)")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--disconnect-frac", type=float, default=0.15)
     ap.add_argument("--seed", type=int, default=0)
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     reqs = make_mix(args.requests, args.model, vocab_size=vocab, seed=args.seed, max_tokens=args.max_tokens,
                     disconnect_frac=args.disconnect_frac)
-    warm = make_mix(args.warmup if args.warmup is not None else 2 * args.streams, args.model, vocab_size=vocab,
+    warm = make_mix(args.warmup if args.warmup is not None else 4 * args.streams, args.model, vocab_size=vocab,
                     seed=args.seed + 1000, max_tokens=args.max_tokens, disconnect_frac=args.disconnect_frac)
     rec: dict = {"config": {**vars(args), "spec": spec}, "loadavg_start": _loadavg(), "started": time.ctime()}
     common = dict(log_dir=str(out), max_num_seqs=args.streams, max_model_len=args.max_model_len)
