@@ -13,7 +13,8 @@ Runs `vllm-tree-spec serve` twice on the same checkpoint (float32, as the servin
    sampling parameter, n = 2, logprobs, stop strings, max_tokens 1..--max-tokens, 15 % of the
    clients disconnecting mid-stream), live-state polls during it, then the RSS again, the drained
    state, `/health` and `/metrics`;
-2. the no-speculation server on the same requests (the disconnecting ones skipped): the greedy reference.
+2. the no-speculation server on the same warm-up and requests (the disconnecting ones skipped): the greedy
+   reference, and its RSS at the same two points (`off_rss_growth`: the control for the RSS check).
 
 Pass: 0 errors, 0 lost requests, greedy outputs identical to the reference (float32: plain equality),
 no per-request state beyond vLLM's own during the load and none after it, RSS at the end within
@@ -154,9 +155,13 @@ def main(argv=None) -> int:
     print(f"tree load done in {rec['load_s']} s; RSS {rec['rss_end']['total_mb']} MiB", flush=True)
 
     with launched(args.model, None, name="soak-off", **common) as server:
+        # the same warm-up and RSS points without speculation: the control for the tree server's RSS growth
+        run_load(server.base, warm, streams=args.streams, timeout_s=args.timeout, skip_disconnects=True)
+        rec["off_rss_after_warmup"] = tree_rss_mb(server.pid)
         t0 = time.perf_counter()
         reference = run_load(server.base, reqs, streams=args.streams, timeout_s=args.timeout, skip_disconnects=True)
         rec["reference_s"] = round(time.perf_counter() - t0, 1)
+        rec["off_rss_end"] = tree_rss_mb(server.pid)
         ref_after = post_json(server.base + "/v1/completions", body)["choices"][0]["text"]
 
     kept = [i for i, r in enumerate(reqs) if r.disconnect_after is None]
@@ -169,7 +174,8 @@ def main(argv=None) -> int:
     rec.update(
         summary=summary(reqs, records), problems=problems[:50], reference_problems=ref_problems[:50],
         greedy_compared=sum(1 for i in kept if reqs[i].greedy and records[i].ok and reference[i].ok),
-        greedy_mismatches=mismatches[:50], rss_growth=round(rss1 / rss0 - 1, 4), loadavg_end=_loadavg())
+        greedy_mismatches=mismatches[:50], rss_growth=round(rss1 / rss0 - 1, 4), loadavg_end=_loadavg(),
+        off_rss_growth=round(rec["off_rss_end"]["total_mb"] / rec["off_rss_after_warmup"]["total_mb"] - 1, 4))
     rec["checks"] = {
         "no_errors_no_lost": not problems,
         "reference_ok": not ref_problems,
@@ -183,7 +189,7 @@ def main(argv=None) -> int:
     rec["passed"] = all(rec["checks"].values())
     (out / "soak.json").write_text(json.dumps(rec, indent=1))
     (out / "records.json").write_text(json.dumps([r.as_dict() for r in records]))
-    print(json.dumps({k: rec[k] for k in ("summary", "checks", "rss_growth", "load_s", "reference_s",
+    print(json.dumps({k: rec[k] for k in ("summary", "checks", "rss_growth", "off_rss_growth", "load_s", "reference_s",
                                           "greedy_compared", "passed")}, indent=1))
     for line in (problems + ref_problems + mismatches)[:20]:
         print("  ", line)
