@@ -61,6 +61,12 @@
         Why: vLLM refuses both for every speculative method (its chain sampler lacks them).
         Removal: per-method validation upstream (a proposer that declares which parameters it supports).
 
+    L   (live_state.py) reads, changes nothing: the tree workers' `tree_live_state` method (reachable with
+        vLLM's collective_rpc; served: POST /collective_rpc under VLLM_SERVER_DEV_MODE=1) lists the request
+        ids held in every per-request place of the plugin, next to vLLM's runner.requests / input batch.
+        Why: leak checks after aborts and preemption (tests/integration/test_engine_faults.py, the soak).
+        Removal: none needed (a worker method of our own; it reads vLLM's runner attributes only).
+
 `install()` is what the plugin entry point calls; it applies P1 (inert unless a tree config is given),
 P6 (only when its variable is set) and P8 (inert unless the engine is a tree engine). P2-P4 happen in
 the worker that P1 selects, i.e. only in tree engines.

@@ -12,6 +12,7 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_tree_spec.config import TreeSpecError
 from vllm_tree_spec.integration.gpu_attention import TREE_GPU_BACKENDS
+from vllm_tree_spec.integration.live_state import live_state
 from vllm_tree_spec.integration.runner import TreeRunnerMixin
 from vllm_tree_spec.integration.worker import tree_attention_backends
 
@@ -30,3 +31,7 @@ class TreeGPUWorker(Worker):
     def load_model(self, *args, **kwargs):
         with tree_attention_backends(TREE_GPU_BACKENDS):
             return super().load_model(*args, **kwargs)
+
+    def tree_live_state(self) -> dict[str, list[str]]:
+        """Request ids held in every per-request place (leak checks: integration/live_state.py)."""
+        return live_state(self.model_runner)

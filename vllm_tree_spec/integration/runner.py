@@ -39,7 +39,8 @@ from vllm.logger import init_logger
 from vllm_tree_spec.config import TreeSpecConfig
 from vllm_tree_spec.integration.adapters import select_adapter
 from vllm_tree_spec.integration.stats import TreeStats
-from vllm_tree_spec.integration.tree_sampler import sample_without_trees, tree_sample, unsupported_reason
+from vllm_tree_spec.integration.tree_sampler import (PLACEHOLDER_TOKEN_ID, sample_without_trees, tree_sample,
+                                                    unsupported_reason)
 from vllm_tree_spec.integration.tree_step import TreeRequestStep, TreeStep
 
 logger = init_logger(__name__)
@@ -142,10 +143,18 @@ class TreeRunnerMixin:
                     else list(range(int(qsl[i]), int(qsl[i + 1]))) for i, rid in enumerate(req_ids)]
             aux = args[3] if len(args) > 3 else kwargs.get("aux_hidden_states")  # vLLM's 6th argument
             observe(req_ids, rows, self.positions, aux)
-        trees = self.drafter.propose_trees(requests, budgets)
+        # Partial prefills are not proposed for: part of their context is not computed yet (an EAGLE-3
+        # head would look for target features the next chunk computes); vLLM drops their drafts anyway.
+        ready = [i for i in range(len(req_ids)) if i < len(sampled_token_ids) and len(sampled_token_ids[i])]
+        trees = dict(zip(ready, self.drafter.propose_trees([requests[i] for i in ready], [budgets[i] for i in ready])))
         drafts: list[list[int]] = []
-        self._tree_drafts = {}
-        for rid, dt, nodes in zip(req_ids, trees, budgets):
+        # Not reset per step: a running request the scheduler skips (token budget spent on a prefill chunk)
+        # keeps its drafts and is verified with them later. Entries go when the request finishes.
+        for i, (rid, nodes) in enumerate(zip(req_ids, budgets)):
+            dt = trees.get(i)
+            if dt is None:
+                drafts.append([])
+                continue
             if dt.tree.num_nodes > nodes:
                 raise RuntimeError(f"drafter returned {dt.tree.num_nodes} nodes for a budget of {nodes}")
             self._tree_drafts[rid] = dt
@@ -162,6 +171,7 @@ class TreeRunnerMixin:
     def _update_states(self, scheduler_output):
         for rid in scheduler_output.finished_req_ids:
             self._tree_drafts.pop(rid, None)
+            self._tree_committed.pop(rid, None)  # else held until the next tree step (live_state.py)
             self._tree_skip_logged.discard(rid)
             self.drafter.finish_request(rid)
         return super()._update_states(scheduler_output)
@@ -183,7 +193,10 @@ class TreeRunnerMixin:
         found = []
         for rid, drafted in scheduler_output.scheduled_spec_decode_tokens.items():
             n = len(drafted)
-            if n == 0:
+            if n == 0 or all(t == PLACEHOLDER_TOKEN_ID for t in drafted):
+                # Placeholders: vLLM pads a request resumed with one token left to compute to 1 + num_spec
+                # rows of -1 drafts (uniform decode shapes). No tree: its root row is sampled as a draftless
+                # row and the placeholders are rejected, as vLLM's rejection sampler rejects them.
                 continue
             dt = self._tree_drafts.get(rid)
             if dt is None:

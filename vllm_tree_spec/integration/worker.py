@@ -13,6 +13,7 @@ import contextlib
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
+from vllm_tree_spec.integration.live_state import live_state
 from vllm_tree_spec.integration.runner import TreeRunnerMixin
 
 TREE_CPU_BACKENDS = {"CPU_ATTN": "vllm_tree_spec.integration.cpu_attention.TreeCPUAttentionBackend"}
@@ -72,3 +73,7 @@ class TreeCPUWorker(CPUWorker):
             cpu_worker_mod.CPUModelRunner = original
         assert isinstance(self.model_runner, TreeCPUModelRunner), (
             "tree speculation needs the V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
+
+    def tree_live_state(self) -> dict[str, list[str]]:
+        """Request ids held in every per-request place (leak checks: integration/live_state.py)."""
+        return live_state(self.model_runner)

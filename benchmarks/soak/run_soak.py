@@ -1,0 +1,200 @@
+"""Full-scale soak: the served tree engine under 64 concurrent streams x 500 requests of the soak mix.
+
+    python benchmarks/soak/run_soak.py                       # SmolLM2 (embedded default), 64 streams, 500 requests
+    python benchmarks/soak/run_soak.py --streams 8 --requests 64 --max-tokens 64     # a reduced run
+    python benchmarks/soak/run_soak.py --model /path/to/ckpt --spec '{"method": "tree", "drafter": "suffix"}'
+
+Runs `vllm-tree-spec serve` twice on the same checkpoint (float32, as the serving benchmark does):
+
+1. the tree server (`--spec`, default the n-gram tree drafter at D = 6), started with
+   VLLM_SERVER_DEV_MODE=1 so the workers' per-request places can be read (`/collective_rpc`,
+   `integration/live_state.py`): a warm-up load, the RSS of the server's process tree, the load
+   (`soak_client.make_mix`: chat / completions, streamed or not, greedy and sampled with every
+   sampling parameter, n = 2, logprobs, stop strings, max_tokens 1..--max-tokens, 15 % of the
+   clients disconnecting mid-stream), live-state polls during it, then the RSS again, the drained
+   state, `/health` and `/metrics`;
+2. the no-speculation server on the same warm-up and requests (the disconnecting ones skipped): the greedy
+   reference, and its RSS at the same two points (`off_rss_growth`: the control for the RSS check).
+
+Pass: 0 errors, 0 lost requests, greedy outputs identical to the reference (float32: plain equality),
+no per-request state beyond vLLM's own during the load and none after it, RSS at the end within
+--rss-tolerance (5 %) of the RSS after warm-up, `/health` 200 and the tree counters on `/metrics`.
+Writes `soak.json` (configuration, load average, every number above, the first problems) to --out and
+exits 1 when a check fails. Results: docs/soak.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from soak_client import (check_records, greedy_mismatches, live_state, make_mix, run_load,  # noqa: E402
+                         summary, wait_drained)
+
+DEFAULT_SPEC = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 6}
+
+
+def tree_rss_mb(pid: int) -> dict:
+    """RSS of a process and all its descendants (the API server, engine core and workers), in MiB."""
+    import psutil
+
+    root = psutil.Process(pid)
+    procs = [root] + root.children(recursive=True)
+    per = {}
+    for p in procs:
+        try:
+            per[f"{p.pid}:{p.name()}"] = p.memory_info().rss / 2**20
+        except psutil.NoSuchProcess:
+            pass
+    return {"total_mb": round(sum(per.values()), 1), "per_process_mb": {k: round(v, 1) for k, v in per.items()}}
+
+
+def _loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+class Poller(threading.Thread):
+    def __init__(self, base: str, every: float):
+        super().__init__(daemon=True)
+        self.base, self.every, self.stop = base, every, threading.Event()
+        self.polls, self.leaks, self.errors, self.peak = 0, [], [], {}
+
+    def run(self):
+        from vllm_tree_spec.integration.live_state import counts, leaks
+
+        while not self.stop.is_set():
+            try:
+                for w in live_state(self.base):
+                    if leaks(w):
+                        self.leaks.append(leaks(w))
+                    for place, n in counts(w).items():
+                        self.peak[place] = max(self.peak.get(place, 0), n)
+                self.polls += 1
+            except Exception as e:  # noqa: BLE001 (reported)
+                self.errors.append(repr(e))
+            self.stop.wait(self.every)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded SmolLM2)")
+    ap.add_argument("--spec", default=json.dumps(DEFAULT_SPEC), help="the tree server's --speculative-config")
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=500, help="requests in all, over the streams")
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up requests (default: 4 x streams)")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--disconnect-frac", type=float, default=0.15)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--rss-tolerance", type=float, default=0.05)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="per-request timeout, seconds")
+    ap.add_argument("--out", default="benchmarks/soak/results/latest")
+    args = ap.parse_args(argv)
+
+    from vllm_tree_spec.integration.live_state import counts
+    from vllm_tree_spec.serve_launch import launched, metric_sum, post_json, scrape_metrics
+
+    if args.model is None:
+        from vllm_tree_spec.models import smollm2
+
+        args.model = str(smollm2())
+    spec = json.loads(args.spec)
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    reqs = make_mix(args.requests, args.model, vocab_size=vocab, seed=args.seed, max_tokens=args.max_tokens,
+                    disconnect_frac=args.disconnect_frac)
+    warm = make_mix(args.warmup if args.warmup is not None else 4 * args.streams, args.model, vocab_size=vocab,
+                    seed=args.seed + 1000, max_tokens=args.max_tokens, disconnect_frac=args.disconnect_frac)
+    rec: dict = {"config": {**vars(args), "spec": spec}, "loadavg_start": _loadavg(), "started": time.ctime()}
+    common = dict(log_dir=str(out), max_num_seqs=args.streams, max_model_len=args.max_model_len)
+    print(f"soak: {len(reqs)} requests over {args.streams} streams on {args.model}; load average {_loadavg()}",
+          flush=True)
+
+    with launched(args.model, spec, name="soak-tree", env={"VLLM_SERVER_DEV_MODE": "1"}, **common) as server:
+        rec["tree_startup_s"] = round(server.startup_s, 1)
+        t0 = time.perf_counter()
+        warm_records = run_load(server.base, warm, streams=args.streams, timeout_s=args.timeout)
+        rec["warmup"] = {**summary(warm, warm_records), "s": round(time.perf_counter() - t0, 1),
+                         "problems": check_records(warm, warm_records)[:20]}
+        wait_drained(server.base)
+        rec["rss_after_warmup"] = tree_rss_mb(server.pid)
+        print(f"warm-up done: {rec['warmup']}; RSS {rec['rss_after_warmup']['total_mb']} MiB", flush=True)
+        poller = Poller(server.base, every=2.0)
+        poller.start()
+        t0 = time.perf_counter()
+        try:
+            records = run_load(server.base, reqs, streams=args.streams, timeout_s=args.timeout)
+        finally:
+            poller.stop.set()
+            poller.join(timeout=60)
+        rec["load_s"] = round(time.perf_counter() - t0, 1)
+        state, gauges = wait_drained(server.base)
+        rec["rss_end"] = tree_rss_mb(server.pid)
+        rec["live_state_after"] = [counts(w) for w in state]
+        rec["gauges_after"] = gauges
+        rec["live_state_polls"] = {"polls": poller.polls, "leaks": poller.leaks[:5], "errors": poller.errors[:5],
+                                   "peak": poller.peak}
+        rec["health"] = urllib.request.urlopen(server.base + "/health", timeout=30).status
+        m = scrape_metrics(server.base)
+        rec["metrics"] = {name: metric_sum(m, name) for name in (
+            "vllm_tree_spec:rounds_total", "vllm_tree_spec:nodes_verified_total",
+            "vllm_tree_spec:accepted_tokens_total", "vllm_tree_spec:mean_accepted_length",
+            "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total",
+            "vllm:num_preemptions_total", "vllm:request_success_total")}
+        body = {"model": args.model, "prompt": "def tree(x): return x + 1\n", "max_tokens": 16, "temperature": 0}
+        rec["after_load_text"] = post_json(server.base + "/v1/completions", body)["choices"][0]["text"]
+    print(f"tree load done in {rec['load_s']} s; RSS {rec['rss_end']['total_mb']} MiB", flush=True)
+
+    with launched(args.model, None, name="soak-off", **common) as server:
+        # the same warm-up and RSS points without speculation: the control for the tree server's RSS growth
+        run_load(server.base, warm, streams=args.streams, timeout_s=args.timeout, skip_disconnects=True)
+        rec["off_rss_after_warmup"] = tree_rss_mb(server.pid)
+        t0 = time.perf_counter()
+        reference = run_load(server.base, reqs, streams=args.streams, timeout_s=args.timeout, skip_disconnects=True)
+        rec["reference_s"] = round(time.perf_counter() - t0, 1)
+        rec["off_rss_end"] = tree_rss_mb(server.pid)
+        ref_after = post_json(server.base + "/v1/completions", body)["choices"][0]["text"]
+
+    kept = [i for i, r in enumerate(reqs) if r.disconnect_after is None]
+    problems = check_records(reqs, records)
+    ref_problems = check_records([reqs[i] for i in kept], [reference[i] for i in kept])
+    mismatches = greedy_mismatches(reqs, records, reference)
+    if rec["after_load_text"] != ref_after:
+        mismatches.append(f"after-load request: {rec['after_load_text']!r} vs {ref_after!r}")
+    rss0, rss1 = rec["rss_after_warmup"]["total_mb"], rec["rss_end"]["total_mb"]
+    rec.update(
+        summary=summary(reqs, records), problems=problems[:50], reference_problems=ref_problems[:50],
+        greedy_compared=sum(1 for i in kept if reqs[i].greedy and records[i].ok and reference[i].ok),
+        greedy_mismatches=mismatches[:50], rss_growth=round(rss1 / rss0 - 1, 4), loadavg_end=_loadavg(),
+        off_rss_growth=round(rec["off_rss_end"]["total_mb"] / rec["off_rss_after_warmup"]["total_mb"] - 1, 4))
+    rec["checks"] = {
+        "no_errors_no_lost": not problems,
+        "reference_ok": not ref_problems,
+        "greedy_identical": not mismatches,
+        "no_leaks_during_load": not poller.leaks and not poller.errors and poller.polls > 0,
+        "no_state_after_load": all(not n for w in rec["live_state_after"] for n in w.values())
+                               and not any(gauges.values()),
+        "rss_flat": abs(rss1 / rss0 - 1) <= args.rss_tolerance,
+        "health_and_metrics": rec["health"] == 200 and rec["metrics"]["vllm_tree_spec:rounds_total"] > 0,
+    }
+    rec["passed"] = all(rec["checks"].values())
+    (out / "soak.json").write_text(json.dumps(rec, indent=1))
+    (out / "records.json").write_text(json.dumps([r.as_dict() for r in records]))
+    print(json.dumps({k: rec[k] for k in ("summary", "checks", "rss_growth", "off_rss_growth", "load_s", "reference_s",
+                                          "greedy_compared", "passed")}, indent=1))
+    for line in (problems + ref_problems + mismatches)[:20]:
+        print("  ", line)
+    return 0 if rec["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
