@@ -513,6 +513,12 @@ def _as_modes(modes, batch_size: int) -> torch.Tensor:
     return torch.tensor([int(Mode.parse(m)) for m in modes], dtype=torch.long)
 
 
+def sync_free(device) -> bool:
+    """Whether the serving path avoids data-dependent host syncs on this device: on accelerators,
+    where a sync stalls the queue. On CPU a sync costs nothing and compacting saves work."""
+    return torch.device(device).type != "cpu"
+
+
 def upload(tensors: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
     """Host int64 tensors -> the device in one transfer (views of one packed buffer; CPU: no copy)."""
     device = torch.device(device)

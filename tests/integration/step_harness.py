@@ -55,7 +55,7 @@ def random_tree(rng: random.Random, n: int, vocab: int, chain: bool) -> Tree:
 def make_step(batch_size: int, nodes: int, *, seed: int = 0, vocab: int = 512, modes=("deterministic",),
               chain: bool = False, seeded: bool = False, layout: str = "cpu_attn", layers: int = 4,
               hkv: int = 2, head_size: int = 16, block_size: int = 16, context: int = 100, temperature=0.8,
-              device: str = "cpu"):
+              device: str = "cpu", kv_dtype: torch.dtype = torch.float32):
     """One verify step of `batch_size` tree requests with `nodes` draft nodes each (modes cycled)."""
     from vllm import SamplingParams
 
@@ -105,7 +105,7 @@ def make_step(batch_size: int, nodes: int, *, seed: int = 0, vocab: int = 512, m
     r.positions = torch.arange(R, dtype=torch.int64, device=dev)
     r.discard_request_mask = SimpleNamespace(np=np.zeros(batch_size, dtype=bool))
     # vLLM 0.32: the layers of a KV-cache tensor are views of one allocation at a constant layer stride
-    buf = torch.randn(layers, num_blocks, hkv, block_size, 2 * head_size, generator=gen).to(dev)
+    buf = torch.randn(layers, num_blocks, hkv, block_size, 2 * head_size, generator=gen).to(kv_dtype).to(dev)
     names = [f"layers.{i}.attn" for i in range(layers)]
     impl = SimpleNamespace(tree_kv_layout=layout, head_size=head_size)
     r.compilation_config = SimpleNamespace(static_forward_context={

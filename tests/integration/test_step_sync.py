@@ -33,6 +33,7 @@ MIXED = ("greedy", "deterministic", "sampled", "deterministic", "sampled_without
 def _counted_step(monkeypatch, case):
     counter = SyncCounter()
     monkeypatch.setattr(tree_sampler, "sync_free", lambda device: True)  # the accelerator path
+    monkeypatch.setattr(verify, "sync_free", lambda device: True)
     monkeypatch.setattr(verify, "upload", counter.counting_upload(verify.upload))
     monkeypatch.setattr(tree_sampler, "upload", counter.counting_upload(tree_sampler.upload))
     monkeypatch.setattr(tree_sampler, "_upload_floats", counter.counting_upload_floats(tree_sampler._upload_floats))
@@ -76,6 +77,7 @@ def test_sync_free_step_equals_cpu_step(monkeypatch):
         torch.manual_seed(5)
         case = make_step(6, 8, modes=MIXED, seeded=True, seed=3)
         monkeypatch.setattr(tree_sampler, "sync_free", lambda device, v=sync_free: v)
+        monkeypatch.setattr(verify, "sync_free", lambda device, v=sync_free: v)
         out = run_step(case)
         monkeypatch.undo()
         outs.append(out.sampled_token_ids)

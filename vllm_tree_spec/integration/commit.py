@@ -13,7 +13,8 @@ verifier's outputs, with no host sync and no per-request work:
     paged (FLASH_ATTN / TRITON_ATTN, CUDA)  one `kv_commit_paged_triton` launch per KV group
                                             (every layer: a cached table of base addresses)
     cpu_attn, or paged without CUDA         the (src, dst) slots built once per step on the device
-                                            (`commit_index_lists`), then one gather + one scatter
+                                            (`commit_index_lists`; on CPU the pairs already in place
+                                            are dropped first), then one gather + one scatter
                                             over all layers of a group when vLLM placed them in
                                             one allocation at a constant stride (vLLM 0.32 does:
                                             `create_kv_cache_views`), else per layer
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_tree_spec import verify
 from vllm_tree_spec.integration import kv_layout
 from vllm_tree_spec.integration.tree_step import TreeRequestStep, TreeStep
 
@@ -104,6 +106,11 @@ def commit_step(runner, step, result) -> None:
                                    result.num_accepted, layer_table=plan.layer_table)
             continue
         src, dst = commit_index_lists(row_slots, meta.cu_num_rows, result.accepted_nodes, result.num_accepted)
+        if not verify.sync_free(src.device):  # CPU: drop the pairs already in place (most of a chain's)
+            moving = src != dst
+            src, dst = src[moving], dst[moving]
+            if src.numel() == 0:
+                continue
         for cache in plan.caches:
             copy_slots(cache, src, dst, plan.layout, plan.head_size, plan.joined)
 

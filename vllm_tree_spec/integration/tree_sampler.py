@@ -38,7 +38,8 @@ import torch
 
 from vllm_tree_spec.sampling import target_logits, target_probs
 from vllm_tree_spec.tree import TreeBatch
-from vllm_tree_spec.verify import Mode, TreeVerifyOutput, VerifyCoins, _exponential_rows, race, upload, verify_batch
+from vllm_tree_spec.verify import (Mode, TreeVerifyOutput, VerifyCoins, _exponential_rows, race, sync_free, upload,
+                                   verify_batch)
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -199,12 +200,6 @@ def sample_rows(logits: torch.Tensor, states, histories: list[list[int]] | None 
     e = _exponential_rows([states[i].generator for i in sampled], 1, vocab, p.dtype, p.device)  # [s, V]
     y[torch.tensor(sampled, device=logits.device)] = race(p, e)
     return y
-
-
-def sync_free(device: torch.device) -> bool:
-    """Whether verification avoids data-dependent host syncs (`verify_batch(sync_free=True)`): on
-    accelerators, where a sync stalls the queue. On CPU the compacting walk does less work."""
-    return device.type != "cpu"
 
 
 _PARAM_KEYS = (("temperature", None), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
