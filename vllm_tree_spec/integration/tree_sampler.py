@@ -23,8 +23,13 @@ the scheduler's rollback and the metrics work unchanged.
   history: the committed output plus the tokens on the path to that row, through
   vLLM's own penalty and bad-words functions. Grammars and other processors that
   read drafts as a chain are never drafted for (`unsupported_reason`).
-* All-greedy batches (the common serving case) skip the [R, V] distributions:
-  greedy verification reads only each row's argmax (`verify_batch(target_argmax=...)`).
+* One `verify_batch` call per step for all tree requests, greedy and sampled mixed. Greedy rows read
+  only their argmax (`verify_batch(target_argmax=...)`: no [R, V] distributions for them); sampled
+  requests without history- or id-dependent transforms get their p rows from one `target_probs` call
+  per set of enabled parameters (`_plain_probs`), the same ops per row as a per-request call.
+* On accelerators (`verify.sync_free`) verification has no data-dependent host sync: the step's one
+  device-to-host transfer carries the tokens, accepted paths and lengths together; seeded streams are
+  then rewound to the rows the walk read (`VerifyCoins.rewind`).
 * A round ends at the first emitted EOS or stop_token_ids id (`stop_token_ids`),
   as vLLM's scheduler stops the request there.
 * Logprobs, when requested, are computed for every emitted token from the row
@@ -205,38 +210,39 @@ def sample_rows(logits: torch.Tensor, states, histories: list[list[int]] | None 
 _PARAM_KEYS = (("temperature", None), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
 
 
-def _plain_probs(logits: torch.Tensor, rows: list[range], params: list[dict]) -> torch.Tensor:
-    """p [sum(len(rows)), V] float32 for sampled requests (temperature > 0) whose rows need only
-    temperature / top-k / top-p / min-p.
+def _plain_probs(x: torch.Tensor, p: torch.Tensor | None, rows: list[range], params: list[dict]) -> torch.Tensor:
+    """p [R, V] float32 with the rows of sampled requests (temperature > 0) that need only temperature /
+    top-k / top-p / min-p filled in; x [R, V] the step's tree-row logits, rows[j] request j's rows of x.
 
     One `target_probs` call per set of enabled parameters (at most 8), with per-row values, so each row
     goes through exactly the ops a per-request call would apply (same bits), and rows that need no
-    sort (no top-k / top-p) are not sorted.
+    sort (no top-k / top-p) are not sorted. p None: allocated (when one call covers every row of x,
+    its result is p itself, without a scatter).
     """
-    device = logits.device
-    out = torch.empty(sum(map(len, rows)), logits.shape[1], dtype=torch.float32, device=device)
+    device = x.device
     groups: dict[tuple, list[int]] = {}
     for j, kw in enumerate(params):
         groups.setdefault(tuple(kw[k] is not None for k, _ in _PARAM_KEYS[1:]), []).append(j)
-    starts = [0]
-    for r in rows:
-        starts.append(starts[-1] + len(r))
     for on, members in groups.items():
-        src = torch.tensor([i for j in members for i in rows[j]])
-        dst = torch.tensor([i for j in members for i in range(starts[j], starts[j + 1])])
-        vals = [torch.tensor([kw["temperature"] for j in members for kw in [params[j]] for _ in rows[j]],
-                             dtype=torch.float64)]
+        idx = [i for j in members for i in rows[j]]
+        whole = p is None and len(groups) == 1 and idx == list(range(x.shape[0]))
+        vals = [torch.tensor([params[j]["temperature"] for j in members for _ in rows[j]], dtype=torch.float64)]
         for (key, _), enabled in zip(_PARAM_KEYS[1:], on):
             if enabled:
                 vals.append(torch.tensor([params[j][key] for j in members for _ in rows[j]], dtype=torch.float64))
-        src, dst, *vals = upload([src, dst], device) + _upload_floats(vals, device)
+        vals = _upload_floats(vals, device)
         per_row, it = {"temperature": vals[0].to(torch.float32)}, iter(vals[1:])
         for (key, _), enabled in zip(_PARAM_KEYS[1:], on):
             if enabled:
                 v = next(it)
                 per_row[key] = v.to(torch.long) if key == "top_k" else v.to(torch.float32)
-        out[dst] = target_probs(logits[src].to(torch.float32), **per_row, has_greedy=False)
-    return out
+        if whole:
+            return target_probs(x.to(torch.float32), **per_row, has_greedy=False)
+        if p is None:
+            p = torch.zeros(x.shape, dtype=torch.float32, device=device)
+        dst = upload([torch.tensor(idx, dtype=torch.long)], device)[0]
+        p[dst] = target_probs(x[dst].to(torch.float32), **per_row, has_greedy=False)
+    return p
 
 
 def _upload_floats(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
@@ -304,35 +310,41 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step):
         budget = [max(1, sp.max_tokens - len(st.output_token_ids)) if sp.max_tokens is not None else 1 << 30
                   for st, sp in zip(states, sps)]
         row_ranges = [range(starts[b], starts[b] + r.num_nodes + 1) for b, r in zip(tree_idx, reqs)]
-        rows_t = upload([torch.tensor([i for rr in row_ranges for i in rr], dtype=torch.long)], device)[0]
+        flat_rows = [i for rr in row_ranges for i in rr]
+        if flat_rows == list(range(len(flat_rows))):  # only tree requests in the step: a view
+            x = logits[: len(flat_rows)]
+        else:
+            x = logits[upload([torch.tensor(flat_rows, dtype=torch.long)], device)[0]]  # [R, V]
         offsets = batch.cu_num_rows.tolist()  # host
+        local = [range(offsets[j], offsets[j + 1]) for j in range(len(reqs))]  # request j's rows of x
         moved = [j for j, sp in enumerate(sps) if _transforms_logits(sp)]
 
         def probs_of(j: int) -> torch.Tensor:  # p rows of tree request j, as vLLM's Sampler would see them
             st, sp = states[j], sps[j]
             hist = row_histories(st.output_token_ids, reqs[j].tree) if _needs_history(sp) else None
-            return request_target_probs(logits[row_ranges[j].start: row_ranges[j].stop], sp, hist,
-                                        st.prompt_token_ids)
+            return request_target_probs(x[local[j].start: local[j].stop], sp, hist, st.prompt_token_ids)
 
         # Greedy rows read only their argmax; transforms that move it (allowed ids, bias, penalties, ...)
         # are applied per request.
-        y = logits[rows_t].argmax(-1)  # [R]
-        p_all = q_all = coins = None
+        greedy_any = any(m == Mode.GREEDY for m in modes)
         sampled_any = any(m != Mode.GREEDY for m in modes)
-        if sampled_any:
-            p_all = torch.zeros(len(rows_t), logits.shape[1], dtype=torch.float32, device=device)  # [R, V]
+        y = x.argmax(-1) if greedy_any else None  # [R]
+        p_all = q_all = coins = None
+        moved_set = set(moved)
+        plain_sampled = [j for j in range(len(reqs)) if modes[j] != Mode.GREEDY and j not in moved_set]
+        if plain_sampled:
+            p_all = _plain_probs(x, None if len(plain_sampled) == len(reqs) else
+                                 torch.zeros(x.shape, dtype=torch.float32, device=device),
+                                 [local[j] for j in plain_sampled],
+                                 [_row_params(sps[j], 1, x.shape[1], device) for j in plain_sampled])
+        elif sampled_any:
+            p_all = torch.zeros(x.shape, dtype=torch.float32, device=device)  # [R, V]
         for j in moved:
             p = probs_of(j)
-            y[offsets[j]: offsets[j + 1]] = p.argmax(-1)
+            if y is not None:
+                y[local[j].start: local[j].stop] = p.argmax(-1)
             if p_all is not None:
-                p_all[offsets[j]: offsets[j + 1]] = p
-        plain_sampled = [j for j in range(len(reqs)) if modes[j] != Mode.GREEDY and j not in set(moved)]
-        if plain_sampled:
-            rows_j = [row_ranges[j] for j in plain_sampled]
-            pp = _plain_probs(logits, rows_j, [_row_params(sps[j], 1, logits.shape[1], device) for j in plain_sampled])
-            dst = upload([torch.tensor([i for j in plain_sampled for i in range(offsets[j], offsets[j + 1])],
-                                       dtype=torch.long)], device)[0]
-            p_all[dst] = pp
+                p_all[local[j].start: local[j].stop] = p
         if sampled_any:
             if any(Mode(m).needs_draft_probs for m in modes):  # rows of other requests are never read: zeros
                 q_all = torch.zeros_like(p_all)
