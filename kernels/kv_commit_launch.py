@@ -225,6 +225,40 @@ def kv_commit_triton(
             strides=(v0.stride(0), v0.stride(1), v0.stride(2)), layer_table=layer_table, block=block)
 
 
+def kv_commit_paged_triton(
+    kv_caches: torch.Tensor | Sequence[torch.Tensor],  # each [num_blocks, Hkv, block_size, 2 * D] (logical)
+    row_slots: torch.Tensor,  # [R]
+    cu_num_rows: torch.Tensor,  # [B + 1]
+    accepted_nodes: torch.Tensor,  # [B, D]
+    num_accepted: torch.Tensor,  # [B]
+    *,
+    layer_table: torch.Tensor | None = None,
+    block: int | None = None,
+) -> None:
+    """`kv_commit_triton` for vLLM 0.32's FLASH_ATTN / TRITON_ATTN caches, [num_blocks, Hkv, block_size, 2D]
+    in logical order with any physical order of the first three dims (the 2D row must be contiguous).
+
+    Each head is a plane (its K|V row of 2D elements); when the heads of a slot are adjacent in memory
+    (physically [num_blocks, block_size, Hkv, 2D]) they are copied as one row. One launch for all layers.
+    """
+    caches = _as_list(kv_caches)
+    if not caches:
+        return
+    c0 = caches[0]
+    if c0.dim() != 4:
+        raise ValueError(f"expected a paged cache [num_blocks, Hkv, block_size, 2D], got {tuple(c0.shape)}")
+    views = [_row_view(c, 3)[0] for c in caches]  # [nb, Hkv, bs, 2D] as int words
+    v0 = views[0]
+    hkv, row = v0.shape[1], v0.shape[3]
+    if v0.stride(1) == row and v0.stride(2) == hkv * row:  # heads adjacent: one row per slot
+        views = [v.as_strided((v.shape[0], v.shape[2], hkv * row), (v.stride(0), v.stride(2), 1)) for v in views]
+        planes, strides = 1, (0, views[0].stride(0), views[0].stride(1))
+    else:
+        planes, strides = hkv, (v0.stride(1), v0.stride(0), v0.stride(2))
+    _launch(views, row_slots, cu_num_rows, accepted_nodes, num_accepted, num_planes=planes, page_size=v0.shape[2],
+            strides=strides, layer_table=layer_table, block=block)
+
+
 def kv_commit_rows_triton(
     caches: torch.Tensor | Sequence[torch.Tensor],  # each [num_slots, ...] (one row per slot)
     row_slots: torch.Tensor,  # [R]
@@ -254,6 +288,7 @@ def kv_commit_rows_triton(
 __all__ = [
     "commit_index_lists",
     "commit_pairs",
+    "kv_commit_paged_triton",
     "kv_commit_reference",
     "kv_commit_rows_reference",
     "kv_commit_rows_triton",

@@ -66,6 +66,8 @@ def target_logits(
     top_k: torch.Tensor | int | None = None,
     top_p: torch.Tensor | float | None = None,
     min_p: torch.Tensor | float | None = None,
+    *,
+    has_greedy: bool | None = None,
 ) -> torch.Tensor:
     """Processed logits [R, V]: the logits each row is sampled from (vLLM's `processed_logits`).
 
@@ -79,10 +81,13 @@ def target_logits(
     x = logits
     greedy = None
     if temp is not None:
-        greedy = temp <= GREEDY_TEMPERATURE
-        if bool(greedy.all()):
-            return logits
-        x = x / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(1)
+        if has_greedy is False:  # the caller knows (device tensors: no sync to find out)
+            x = x / temp.unsqueeze(1)
+        else:
+            greedy = temp <= GREEDY_TEMPERATURE
+            if bool(greedy.all()):
+                return logits
+            x = x / torch.where(greedy, torch.ones_like(temp), temp).unsqueeze(1)
     mp = _per_row(min_p, rows, dt, dev)
     if mp is not None:
         x = apply_min_p(x, mp)
@@ -100,18 +105,22 @@ def target_probs(
     top_k: torch.Tensor | int | None = None,
     top_p: torch.Tensor | float | None = None,
     min_p: torch.Tensor | float | None = None,
+    *,
+    has_greedy: bool | None = None,
 ) -> torch.Tensor:
     """Per-row target distributions p [R, V] from raw logits [R, V].
 
     Each parameter is a scalar or an [R] tensor; None disables it. Rows with
     temperature <= 0 become one-hot on their argmax (greedy). The result keeps
-    the dtype of `logits` (use float64 for exact tests).
+    the dtype of `logits` (use float64 for exact tests). has_greedy=False: the
+    caller guarantees temperature > 0 on every row (skips a check that syncs
+    with the device).
     """
     temp = _per_row(temperature, logits.shape[0], logits.dtype, logits.device)
-    greedy = None if temp is None else temp <= GREEDY_TEMPERATURE
+    greedy = None if temp is None or has_greedy is False else temp <= GREEDY_TEMPERATURE
     if greedy is not None and bool(greedy.all()):  # all rows greedy: skip the transforms and the softmax
         return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    probs = torch.softmax(target_logits(logits, temperature, top_k, top_p, min_p), dim=-1)
+    probs = torch.softmax(target_logits(logits, temperature, top_k, top_p, min_p, has_greedy=has_greedy), dim=-1)
     if greedy is not None and bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)

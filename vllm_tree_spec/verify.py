@@ -106,6 +106,7 @@ class VerifyCoins:
     generators: Sequence[torch.Generator | None] | None = None  # lazy coins: each request's stream
     vocab_size: int = 0
     dtype: torch.dtype = torch.float32
+    tracked: dict | None = None  # lazy coins, track_streams: req -> stream state before each row drawn
 
     @staticmethod
     def draw(
@@ -118,6 +119,7 @@ class VerifyCoins:
         device: torch.device | str = "cpu",
         lazy: bool = False,
         needs_uniform: Sequence[bool] | None = None,
+        track_streams: bool = False,
     ) -> "VerifyCoins":
         """Draw coins; request b uses generators[b] when given (seeded requests), else the default RNG.
 
@@ -126,6 +128,7 @@ class VerifyCoins:
         needs_uniform[b] = False (greedy and deterministic requests, which never read child tests) leaves
         request b's uniforms at 0 and its stream untouched, so with lazy coins such a request consumes
         exactly one exponential row per depth its walk reaches, whatever the batch's tree sizes.
+        track_streams (lazy only) records the seeded streams for `rewind`.
         """
         shape_u = (max_depth + 1, max(1, max_children))
         gens = list(generators) if generators is not None else [None] * batch_size
@@ -139,16 +142,35 @@ class VerifyCoins:
                              lambda shape, g: torch.rand(shape, dtype=torch.float64, device=device, generator=g))
             u[torch.tensor(idx, device=device) if len(idx) < batch_size else slice(None)] = sub
         if lazy:
-            return VerifyCoins(u, None, gens, vocab_size, dtype)
+            return VerifyCoins(u, None, gens, vocab_size, dtype, {} if track_streams else None)
         e = _exponential_rows(gens, max_depth + 1, vocab_size, dtype, u.device)
         return VerifyCoins(u, e.view(batch_size, max_depth + 1, vocab_size), None, vocab_size, dtype)
 
     def exponential_at(self, req: torch.Tensor, depth: torch.Tensor) -> torch.Tensor:
-        """[n, V] exponential rows of the (req[i], depth[i]) pairs; read at most once per pair."""
+        """[n, V] exponential rows of the (req[i], depth[i]) pairs; read at most once per pair.
+
+        Lazy coins draw the rows now; `req` should then live on the host (its ids pick the streams:
+        a device tensor costs a sync). With `track_streams`, the state of every seeded stream is
+        recorded before each row, so `rewind` can give back the rows a walk drew but did not read.
+        """
         if self.exponential is not None:
-            return self.exponential[req, depth]
+            return self.exponential[req.to(self.uniform.device), depth]
         gens = self.generators or [None] * self.uniform.shape[0]
-        return _exponential_rows([gens[b] for b in req.tolist()], 1, self.vocab_size, self.dtype, self.uniform.device)
+        ids = req.tolist()
+        if self.tracked is not None:
+            for b in ids:
+                if gens[b] is not None:
+                    self.tracked.setdefault(b, []).append(gens[b].get_state())
+        return _exponential_rows([gens[b] for b in ids], 1, self.vocab_size, self.dtype, self.uniform.device)
+
+    def rewind(self, rows_read: Sequence[int]) -> None:
+        """Seeded streams of tracked lazy coins: keep the first rows_read[b] exponential rows, give back
+        the rest (a walk that draws at every depth without knowing where it stops, `verify_batch(...,
+        sync_free=True)`). The stream then stands where a walk drawing only where it goes leaves it."""
+        for b, states in (self.tracked or {}).items():
+            if rows_read[b] < len(states):
+                self.generators[b].set_state(states[rows_read[b]])
+        self.tracked = {} if self.tracked is not None else None
 
     def for_request(self, b: int) -> "VerifyCoins":
         if self.exponential is None:
@@ -157,11 +179,12 @@ class VerifyCoins:
 
 
 def _fill_per_stream(out: torch.Tensor, gens: Sequence[torch.Generator | None], draw) -> torch.Tensor:
-    """out[i] = draw(row shape, gens[i]) for seeded rows; all unseeded rows in one default-RNG call."""
-    free = [i for i, g in enumerate(gens) if g is None]
-    if free:
-        idx = torch.tensor(free, device=out.device) if len(free) < len(gens) else slice(None)
-        out[idx] = draw((len(free), *out.shape[1:]), None)
+    """out[i] = draw(row shape, gens[i]) for seeded rows; all unseeded rows in one default-RNG call.
+
+    With both kinds, the default RNG fills every row and the seeded rows are then overwritten (no
+    index list to move to the device: the unseeded rows only need fresh noise, not a given stream)."""
+    if any(g is None for g in gens):
+        out[:] = draw(tuple(out.shape), None)
     for i, g in enumerate(gens):
         if g is not None:
             out[i] = draw(tuple(out.shape[1:]), g)
@@ -468,12 +491,15 @@ class TreeVerifyOutput:
         next_token: [B] int64 recovered or bonus token (the last emitted token).
         output_token_ids: [B, D + 1] int64 accepted tokens then next_token, -1 padded
             (the layout of vLLM's `sampled_token_ids`).
+        walked: [B] int64 accepted nodes before the EOS / max_tokens cuts (the depth the walk
+            stopped at: a deterministic walk read walked + 1 exponential rows), or None.
     """
 
     accepted_nodes: torch.Tensor  # [B, D]
     num_accepted: torch.Tensor  # [B]
     next_token: torch.Tensor  # [B]
     output_token_ids: torch.Tensor  # [B, D + 1]
+    walked: torch.Tensor | None = None  # [B]
 
     def accepted(self, b: int) -> list[int]:
         return self.accepted_nodes[b, : int(self.num_accepted[b])].tolist()
@@ -487,6 +513,26 @@ def _as_modes(modes, batch_size: int) -> torch.Tensor:
     return torch.tensor([int(Mode.parse(m)) for m in modes], dtype=torch.long)
 
 
+def sync_free(device) -> bool:
+    """Whether the serving path avoids data-dependent host syncs on this device: on accelerators,
+    where a sync stalls the queue. On CPU a sync costs nothing and compacting saves work."""
+    return torch.device(device).type != "cpu"
+
+
+def upload(tensors: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
+    """Host int64 tensors -> the device in one transfer (views of one packed buffer; CPU: no copy)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return list(tensors)
+    flat = torch.cat([t.reshape(-1).to(torch.int64) for t in tensors]) if tensors else torch.zeros(0)
+    dev = flat.to(device, non_blocking=True)
+    out, o = [], 0
+    for t in tensors:
+        out.append(dev[o: o + t.numel()].view(t.shape).to(t.dtype))
+        o += t.numel()
+    return out
+
+
 def verify_batch(
     batch: TreeBatch,
     target_probs: torch.Tensor,
@@ -497,6 +543,7 @@ def verify_batch(
     eos_token_id: torch.Tensor | None = None,
     max_tokens: torch.Tensor | None = None,
     target_argmax: torch.Tensor | None = None,
+    sync_free: bool = False,
 ) -> TreeVerifyOutput:
     """Verify B trees at once.
 
@@ -510,11 +557,16 @@ def verify_batch(
             from the default RNG when None (not needed if all requests are greedy).
         eos_token_id: [B] int64, -1 = none; or [B, S] stop ids per request (EOS and stop_token_ids),
             -1 padded: the round ends at the first emitted one.
-        max_tokens: [B] int64 remaining token budget (>= 1), or None.
+        max_tokens: [B] int64 remaining token budget (>= 1), or None; checked where it is on the host.
         target_argmax: [R] int64 argmax of p per row; when every request is greedy it may stand
             in for target_probs (pass None there): greedy verification reads nothing else.
+        sync_free: no data-dependent host synchronisation (device tensors): the deterministic walk
+            draws at every depth for every deterministic request (lazy coins: pass host-side
+            streams and `rewind` them afterwards with `walked + 1`), and the sampled modes update
+            every row with `torch.where` instead of compacting the rejecting rows. Same outputs
+            bit for bit given the same coins; more work on the device, no round trips.
     """
-    modes = _as_modes(modes, batch.batch_size)
+    modes = _as_modes(modes, batch.batch_size)  # host
     present = set(modes.tolist())
     if target_probs is None and (target_argmax is None or present - {int(Mode.GREEDY)}):
         raise ValueError("target_probs is required unless every request is greedy and target_argmax is given")
@@ -526,66 +578,84 @@ def verify_batch(
         raise ValueError("draft_probs is required when a request uses a sampled mode")
     if coins is None and present != {int(Mode.GREEDY)}:
         coins = VerifyCoins.draw(B, D, batch.max_children, V, dtype=target_probs.dtype, device=device, lazy=True)
+    if max_tokens is not None and isinstance(max_tokens, torch.Tensor) and max_tokens.device.type != "cpu":
+        mt_host = None if sync_free else max_tokens.cpu()  # sync_free: the caller guarantees >= 1
+    else:
+        mt_host = None if max_tokens is None else torch.as_tensor(max_tokens, dtype=torch.long).expand(B)
+    if mt_host is not None and bool((mt_host < 1).any()):
+        raise ValueError("max_tokens must be >= 1 for every request")
 
-    # Per-node metadata, flattened over requests ([T] = all draft nodes).
-    node_req = torch.repeat_interleave(torch.arange(B), batch.num_nodes).to(device)  # [T]
-    node_local = (torch.arange(int(batch.cu_num_nodes[-1])) - batch.cu_num_nodes[:-1].repeat_interleave(
-        batch.num_nodes)).to(device)  # [T]
-    row_base = batch.cu_num_rows[:-1].to(device)  # [B] global row of each root
-    node_row = row_base[node_req] + node_local + 1  # [T]
-    parent_row = row_base[node_req] + batch.parents.to(device) + 1  # [T]
-    tokens = batch.tokens.to(device)  # [T]
-    node_depth = batch.depth.to(device)  # [T]
-    R = int(batch.cu_num_rows[-1])
-    row_req = torch.repeat_interleave(torch.arange(B), batch.num_nodes + 1).to(device)  # [R]
-    row_depth = torch.zeros(R, dtype=torch.long, device=device)
-    row_depth[node_row] = node_depth  # [R], root rows 0
-    node_mode = modes.to(device)[node_req]  # [T]
-    sib_rank = torch.cat([t.sibling_rank for t in batch.trees]).to(device) if batch.trees else tokens  # [T]
+    # Per-node metadata, flattened over requests ([T] = all draft nodes), built on the host and
+    # moved in one transfer.
+    T, R = int(batch.cu_num_nodes[-1]), int(batch.cu_num_rows[-1])
+    node_req = torch.repeat_interleave(torch.arange(B), batch.num_nodes)  # [T]
+    node_local = torch.arange(T) - batch.cu_num_nodes[:-1].repeat_interleave(batch.num_nodes)  # [T]
+    row_base_h = batch.cu_num_rows[:-1]  # [B] global row of each root
+    node_row_h = row_base_h[node_req] + node_local + 1  # [T]
+    row_depth_h = torch.zeros(R, dtype=torch.long)
+    row_depth_h[node_row_h] = batch.depth  # [R], root rows 0
+    sib_rank_h = torch.cat([t.sibling_rank for t in batch.trees]) if batch.trees else torch.zeros(0, dtype=torch.long)
+    host = [node_req, node_local, row_base_h, node_row_h, row_base_h[node_req] + batch.parents + 1, batch.tokens,
+            row_depth_h, torch.repeat_interleave(torch.arange(B), batch.num_nodes + 1), sib_rank_h, modes,
+            batch.padded_tokens, batch.padded_depth, batch.valid, batch.dense_mask]
+    (node_req, node_local, row_base, node_row, parent_row, tokens, row_depth, row_req, sib_rank, modes_d,
+     padded_tokens, depth_pad, valid, mask) = upload(host, device)
+    node_mode = modes_d[node_req]  # [T]
 
-    # taken[t]: node t is the child that its parent row's step picks.
-    taken = torch.zeros_like(tokens, dtype=torch.bool)  # [T]
+    # taken[t]: node t is the child that its parent row's step picks (entry T: a sink for "no child").
+    taken = torch.zeros(T + 1, dtype=torch.bool, device=device)  # [T + 1]
     y_row = torch.zeros(R, dtype=torch.long, device=device)  # [R] greedy / deterministic draw per row
     p_final = None
     # child_node[r, j]: global node index of the j-th child of row r (-1 = none).
     K = max(1, batch.max_children)
     child_node = torch.full((R, K), NO_NODE, dtype=torch.long, device=device)
-    child_node[parent_row, sib_rank] = torch.arange(tokens.numel(), device=device)
+    child_node[parent_row, sib_rank] = torch.arange(T, device=device)
 
     if int(Mode.GREEDY) in present:
         y_row = (target_argmax.to(device) if target_argmax is not None else target_probs.argmax(-1)).clone()  # [R]
         match = tokens == y_row[parent_row]  # [T]
         # Among matching siblings only the first counts (duplicates are legal in greedy mode).
+        big = torch.full_like(sib_rank, 1 << 30)
         first = torch.full((R,), 1 << 30, dtype=torch.long, device=device)
-        first = first.scatter_reduce(0, parent_row[match], sib_rank[match], reduce="amin")
-        taken = match & (sib_rank == first[parent_row]) & (node_mode == Mode.GREEDY)
+        first = first.scatter_reduce(0, parent_row, torch.where(match, sib_rank, big), reduce="amin")
+        taken[:T] = match & (sib_rank == first[parent_row]) & (node_mode == Mode.GREEDY)
 
     if int(Mode.DETERMINISTIC) in present:
-        # Sample-and-match, one depth at a time over the requests still walking: a draw is made only
-        # at rows the walk reaches (lazy coins then draw only those exponential rows).
+        # Sample-and-match, one depth at a time. Default: over the requests still walking, so a draw is
+        # made only at rows the walk reaches (lazy coins then draw only those exponential rows).
+        # sync_free: over every deterministic request at every depth, finished walks masked.
         tokens_or_none = torch.cat([tokens, tokens.new_full((1,), -1)])  # [T + 1]: index -1 (no child) -> -1
-        walking = (modes.to(device) == Mode.DETERMINISTIC).nonzero().flatten()  # [n] request ids
+        det = (modes == Mode.DETERMINISTIC).nonzero().flatten()  # [n] request ids (host)
+        walking = det.to(device) if not sync_free else upload([det], device)[0]
         row = row_base[walking]  # [n] the row each walking request is at
+        active = torch.ones_like(walking, dtype=torch.bool)  # sync_free: the walk has not stopped
         for d in range(D + 1):
-            if walking.numel() == 0:
+            if not sync_free and walking.numel() == 0:
                 break
-            y = race(target_probs[row], coins.exponential_at(walking, torch.full_like(walking, d)))  # [n]
-            y_row[row] = y
+            ids = det if sync_free else walking
+            y = race(target_probs[row], coins.exponential_at(ids, torch.full_like(walking, d)))  # [n]
             children = child_node[row]  # [n, K]
             hit = tokens_or_none[children] == y[:, None]  # [n, K]
             on = hit.any(-1)
             nxt = children.gather(1, hit.to(torch.int8).argmax(-1, keepdim=True)).squeeze(1)  # first match
-            taken[nxt[on]] = True
-            walking, row = walking[on], node_row[nxt[on]]
+            if sync_free:
+                y_row[row] = torch.where(active, y, y_row[row])
+                on &= active
+                taken[torch.where(on, nxt, T)] = on  # the sink takes the misses
+                row, active = torch.where(on, node_row[nxt.clamp(min=0)], row), on
+            else:
+                y_row[row] = y
+                taken[nxt[on]] = True
+                det, walking, row = None, walking[on], node_row[nxt[on]]
 
     if present & {int(Mode.SAMPLED), int(Mode.SAMPLED_WITHOUT_REPLACEMENT)}:
-        row_mode = modes.to(device)[row_req]  # [R]
+        row_mode = modes_d[row_req]  # [R]
         sampled_row = row_mode >= Mode.SAMPLED
         wor_row = row_mode == Mode.SAMPLED_WITHOUT_REPLACEMENT
         p_cur = target_probs.clone()  # [R, V] residual target per row
         q_cur = draft_probs.clone()  # [R, V] (renormalised q for without-replacement rows)
         done = torch.zeros(R, dtype=torch.bool, device=device)  # a child of the row was accepted
-        for j in range(K if tokens.numel() else 0):  # sibling rank; everything else is vectorised
+        for j in range(K if T else 0):  # sibling rank; everything else is vectorised
             c = child_node[:, j]  # [R]
             has = (c >= 0) & sampled_row
             cc = c.clamp(min=0)
@@ -596,30 +666,38 @@ def verify_batch(
             ratio = torch.where(qx > 0, px / torch.where(qx > 0, qx, torch.ones_like(qx)), torch.zeros_like(px))
             u = coins.uniform[row_req, row_depth, j]  # [R]
             acc = has & ~done & (u < ratio.to(u.dtype))
-            taken[cc[acc]] = True
+            taken[torch.where(acc, cc, T)] = acc
             step = has & ~done & ~acc  # rows that reject child j and move on
-            # Row-wise updates of the rejecting rows only (the other rows' p and q are left as they are).
-            si = step.nonzero().flatten()
-            if si.numel():
-                p_cur[si] = residual(p_cur[si], q_cur[si])
-            wi = (step & wor_row).nonzero().flatten()
-            if wi.numel():
-                q_new = q_cur[wi].scatter(1, x[wi, None], 0.0)
-                q_cur[wi] = q_new / row_sum(q_new).clamp(min=torch.finfo(q_new.dtype).tiny)
+            wor = step & wor_row
+            if sync_free:  # every row computed, the rejecting rows kept (row-wise ops: same bits)
+                p_cur = torch.where(step[:, None], residual(p_cur, q_cur), p_cur)
+                q_new = q_cur.scatter(1, x[:, None], 0.0)
+                q_new = q_new / row_sum(q_new).clamp(min=torch.finfo(q_new.dtype).tiny)
+                q_cur = torch.where(wor[:, None], q_new, q_cur)
+            else:  # row-wise updates of the rejecting rows only
+                si = step.nonzero().flatten()
+                if si.numel():
+                    p_cur[si] = residual(p_cur[si], q_cur[si])
+                wi = wor.nonzero().flatten()
+                if wi.numel():
+                    q_new = q_cur[wi].scatter(1, x[wi, None], 0.0)
+                    q_cur[wi] = q_new / row_sum(q_new).clamp(min=torch.finfo(q_new.dtype).tiny)
             done |= acc
         p_final = p_cur
 
     # A node is accepted iff every node on its path (itself included) was taken.
     taken_pad = torch.zeros(B, M, dtype=torch.bool, device=device)
-    taken_pad[node_req, node_local] = taken
-    mask = batch.dense_mask.to(device)  # [B, M, M]
-    accepted_pad = ~(mask & ~taken_pad[:, None, :]).any(-1) & batch.valid.to(device)  # [B, M]
-    depth_pad = batch.padded_depth.to(device)
+    taken_pad[node_req, node_local] = taken[:T]
+    accepted_pad = ~(mask & ~taken_pad[:, None, :]).any(-1) & valid  # [B, M]
     num_accepted = (depth_pad * accepted_pad).amax(-1) if M else torch.zeros(B, dtype=torch.long, device=device)
 
+    # At most one accepted node per depth: scatter node ni to column depth - 1 (the others to column D).
     accepted_nodes = torch.full((B, max(D, 0) + 1), NO_NODE, dtype=torch.long, device=device)
-    bi, ni = accepted_pad.nonzero(as_tuple=True)
-    accepted_nodes[bi, depth_pad[bi, ni] - 1] = ni  # at most one accepted node per depth
+    if M:
+        col = torch.where(accepted_pad, depth_pad - 1, torch.full_like(depth_pad, D))
+        local = torch.arange(M, device=device).expand(B, M)
+        accepted_nodes.scatter_(1, col, torch.where(accepted_pad, local, torch.full_like(local, NO_NODE)))
+        accepted_nodes[:, D] = NO_NODE
     accepted_nodes = accepted_nodes[:, :D]
     deepest = torch.zeros_like(num_accepted)  # [B] local row where the walk stopped (0 = root)
     if D:
@@ -629,13 +707,15 @@ def verify_batch(
 
     next_token = y_row[last_row]
     if p_final is not None:
-        sampled = (modes.to(device) >= Mode.SAMPLED).nonzero().flatten()  # [s] request ids
-        e_last = coins.exponential_at(sampled, num_accepted[sampled])  # [s, V]
+        sampled_h = (modes >= Mode.SAMPLED).nonzero().flatten()  # [s] request ids (host)
+        sampled = upload([sampled_h], device)[0] if sync_free else sampled_h.to(device)
+        e_last = coins.exponential_at(sampled_h if coins.exponential is None else sampled,
+                                      num_accepted[sampled])  # [s, V]
         next_token = next_token.clone()
         next_token[sampled] = race(p_final[last_row[sampled]], e_last)
+    walked = num_accepted
 
     # Emitted tokens: accepted tokens, then next_token; cut at EOS / max_tokens.
-    padded_tokens = batch.padded_tokens.to(device)
     acc_tok = torch.where(accepted_nodes >= 0, padded_tokens.gather(1, accepted_nodes.clamp(min=0)),
                           torch.full_like(accepted_nodes, PAD_TOKEN_ID)) if D else accepted_nodes
     emitted = torch.cat([acc_tok, torch.full((B, 1), PAD_TOKEN_ID, dtype=torch.long, device=device)], 1)
@@ -643,21 +723,20 @@ def verify_batch(
     length = num_accepted + 1
     pos = torch.arange(D + 1, device=device)[None, :]
     if eos_token_id is not None:
-        eos = torch.as_tensor(eos_token_id, dtype=torch.long, device=device)
+        eos = eos_token_id if isinstance(eos_token_id, torch.Tensor) else torch.as_tensor(eos_token_id)
+        eos = upload([eos.to(torch.long)], device)[0] if eos.device.type == "cpu" else eos.to(device)
         eos = eos.expand(B)[:, None] if eos.dim() < 2 else eos  # [B, S] stop ids, -1 padded
         hit = ((emitted[:, :, None] == eos[:, None, :]) & (eos[:, None, :] >= 0)).any(-1)  # [B, D + 1]
         is_eos = hit & (pos < length[:, None])
         first_eos = torch.where(is_eos, pos, torch.full_like(pos, D + 1)).amin(-1)
         length = torch.minimum(length, first_eos + 1)
     if max_tokens is not None:
-        mt = torch.as_tensor(max_tokens, dtype=torch.long, device=device).expand(B)
-        if bool((mt < 1).any()):
-            raise ValueError("max_tokens must be >= 1 for every request")
-        length = torch.minimum(length, mt)
+        mt = upload([mt_host], device)[0] if mt_host is not None else max_tokens.to(device=device, dtype=torch.long)
+        length = torch.minimum(length, mt.expand(B))
     output = torch.where(pos < length[:, None], emitted, torch.full_like(emitted, PAD_TOKEN_ID))
     num_accepted = length - 1
     next_token = output.gather(1, num_accepted[:, None]).squeeze(1)
     if D:
         accepted_nodes = torch.where(pos[:, :D] < num_accepted[:, None], accepted_nodes,
                                      torch.full_like(accepted_nodes, NO_NODE))
-    return TreeVerifyOutput(accepted_nodes, num_accepted, next_token, output)
+    return TreeVerifyOutput(accepted_nodes, num_accepted, next_token, output, walked)

@@ -9,6 +9,7 @@ them: they prove each is needed and that the tests can fail.
 """
 
 import pytest
+import torch
 from engine_utils import OracleRejection, TieChecker, compare_greedy, repetitive_prompts, run_engine
 
 VOCAB = 2048
@@ -80,11 +81,18 @@ def _controls():
 
     from vllm_tree_spec.integration import kv_layout
 
+    compaction_rows = kv_layout.compaction_rows
+
+    def rows_off_by_one(accepted_nodes, num_accepted):  # the same bug in the device commit's index lists
+        src, dst = compaction_rows(accepted_nodes, num_accepted)
+        return torch.where(dst > 0, src - 1, src), dst
+
     return {
         "no-tree-mask": [(TreeCPUAttentionImpl, "_tree_forward", causal_mask_only)],
         "linear-positions": [(runner_mod.TreeRunnerMixin, "_tree_set_positions", linear_positions)],
         "no-kv-commit": [(adapters_mod, "commit_accepted_paths", no_commit)],
-        "commit-off-by-one": [(kv_layout, "compaction_pairs", commit_off_by_one)],
+        "commit-off-by-one": [(kv_layout, "compaction_pairs", commit_off_by_one),
+                              (kv_layout, "compaction_rows", rows_off_by_one)],
     }
 
 

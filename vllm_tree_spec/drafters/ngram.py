@@ -27,8 +27,16 @@ For a context t[0..L-1] (t[L-1] is the root):
 
 Scores are weight / total selected weight: the path's estimated probability.
 Children are chosen from counts, so proposals use the deterministic rule
-(q := 1) and carry no q. The drafter is stateless: every call reads the
-context it is given, so rollback needs no handling.
+(q := 1) and carry no q.
+
+Serving (`propose`) does not rescan the context: each started request keeps an
+index (`NgramIndex`) from every n-gram (min_n <= n <= max_n) to the positions
+where it ends, extended with the tokens committed since the last call, so a
+step costs O(new tokens * max_n + max_matches * max_n) instead of O(L * max_n).
+Steps 2-4 are unchanged, and the selected matches are exactly step 1's (same
+lengths, same order). The committed context only grows; if the index's tail no
+longer matches it (a preempted request recomputed differently), it is rebuilt.
+`draft` is the stateless one-context form (the vectorised scan above).
 """
 
 from __future__ import annotations
@@ -78,6 +86,51 @@ def match_lengths(tokens: np.ndarray, max_n: int) -> np.ndarray:
     return length
 
 
+class NgramIndex:
+    """Per-request n-gram index: ends[n][gram] = ascending end positions i of `gram` (length n) in the context."""
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.ends: dict[int, dict[tuple, list[int]]] = {n: {} for n in range(min_n, max_n + 1)}
+
+    def update(self, context) -> None:
+        """Bring the index up to `context` ([L], a prefix-extension of what it has seen, else rebuilt)."""
+        seen = len(self.tokens)
+        tail = min(seen, self.max_n)
+        if len(context) < seen or (tail and list(context[seen - tail: seen]) != self.tokens[seen - tail:]):
+            self.__init__(self.min_n, self.max_n)
+            seen = 0
+        new = context[seen:]
+        new = new.tolist() if hasattr(new, "tolist") else list(new)
+        t = self.tokens
+        for tok in new:
+            t.append(int(tok))
+            p = len(t) - 1
+            for n, grams in self.ends.items():
+                if p + 1 >= n:
+                    grams.setdefault(tuple(t[p - n + 1:]), []).append(p)
+
+    def matches(self, max_matches: int, window: int | None) -> tuple[list[int], list[int]]:
+        """The `max_matches` best earlier ends (match length desc, position desc) and their lengths l(i),
+        as `match_lengths` + the selection in `NgramTreeDrafter.draft` would give them."""
+        t, L = self.tokens, len(self.tokens)
+        lo = 0 if window is None else max(0, L - window)  # a match must start inside the window
+        chosen, lengths, taken = [], [], set()
+        for n in range(min(self.max_n, L - lo - 1) if L - lo > 1 else 0, self.min_n - 1, -1):
+            for i in reversed(self.ends[n].get(tuple(t[L - n:]), ())):
+                if i >= L - 1 or i in taken:
+                    continue  # the root itself; or matched longer already
+                if i - n + 1 < lo:
+                    break  # ascending positions: the rest start before the window too
+                taken.add(i)
+                chosen.append(i)
+                lengths.append(n)
+                if len(chosen) == max_matches:
+                    return chosen, lengths
+        return chosen, lengths
+
+
 class NgramTreeDrafter(TreeDrafter):
     """Trees of continuations of every earlier occurrence of the context's last n tokens.
 
@@ -115,9 +168,27 @@ class NgramTreeDrafter(TreeDrafter):
         self.min_n, self.max_n = min_n, max_n
         self.max_depth, self.max_matches = max_depth, max_matches
         self.length_weight, self.window = length_weight, window
+        self._index: dict = {}  # started requests -> NgramIndex
+
+    def _start(self, req_id, prompt_token_ids) -> None:
+        self._index[req_id] = NgramIndex(self.min_n, self.max_n)
+
+    def _finish(self, req_id) -> None:
+        self._index.pop(req_id, None)
 
     def _propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[TreeProposal]:
-        return [self.draft(r.token_ids, b, deterministic_mode(r.temperature)) for r, b in zip(requests, budgets)]
+        out = []
+        for r, b in zip(requests, budgets):
+            mode = deterministic_mode(r.temperature)
+            index = self._index[r.req_id]
+            ctx = r.token_ids.cpu().numpy() if isinstance(r.token_ids, torch.Tensor) else r.token_ids
+            index.update(ctx)  # also when b == 0: the next call reads only the new tokens
+            if b <= 0:
+                out.append(TreeProposal.empty(mode))
+                continue
+            chosen, lengths = index.matches(self.max_matches, self.window)
+            out.append(self._trie(index.tokens, chosen, lengths, b, mode))
+        return out
 
     def draft(self, token_ids, budget: int, mode: Mode = Mode.DETERMINISTIC) -> TreeProposal:
         """The tree for one context [L] (list, tensor or array; usable without the request lifecycle)."""
@@ -133,17 +204,22 @@ class NgramTreeDrafter(TreeDrafter):
             return TreeProposal.empty(mode)
         # Longest first, then most recent: lexsort sorts by the last key first.
         order = np.lexsort((-ends, -length[ends]))[: self.max_matches]
-        chosen = ends[order]
+        chosen = ends[order].tolist()
+        return self._trie(tokens.tolist(), chosen, length[chosen].tolist(), budget, mode)
 
+    def _trie(self, tokens: list[int], chosen: list[int], lengths: list[int], budget: int, mode: Mode) -> TreeProposal:
+        """Steps 3-4: the weighted trie of the chosen matches' continuations, its best `budget` nodes."""
+        if not chosen:
+            return TreeProposal.empty(mode)
         nodes: list[_TrieNode] = []
         roots: dict[int, int] = {}  # token -> trie node index of a child of the root
         total = 0
-        last = tokens.shape[0]
-        for i in chosen.tolist():
-            w = self.length_weight ** (int(length[i]) - self.min_n)
+        last = len(tokens)
+        for i, n in zip(chosen, lengths):
+            w = self.length_weight ** (int(n) - self.min_n)
             total += w
             level, parent = roots, NO_PARENT
-            for depth, tok in enumerate(tokens[i + 1 : min(i + 1 + self.max_depth, last)].tolist(), start=1):
+            for depth, tok in enumerate(tokens[i + 1 : min(i + 1 + self.max_depth, last)], start=1):
                 j = level.get(tok)
                 if j is None:
                     j = level[tok] = len(nodes)

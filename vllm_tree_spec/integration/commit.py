@@ -6,18 +6,45 @@ node must sit in the slot of row k (position root + k). The next token
 (recovered or bonus) is not committed: its KV is computed in the next step,
 where it is the new root. Rejected rows keep stale KV that the next step
 overwrites, as in vLLM's chain path.
+
+`commit_step` (the serving path) works from the step's device tensors and the
+verifier's outputs, with no host sync and no per-request work:
+
+    paged (FLASH_ATTN / TRITON_ATTN, CUDA)  one `kv_commit_paged_triton` launch per KV group
+                                            (every layer: a cached table of base addresses)
+    cpu_attn, or paged without CUDA         the (src, dst) slots built once per step on the device
+                                            (`commit_index_lists`; on CPU the pairs already in place
+                                            are dropped first), then one gather + one scatter
+                                            over all layers of a group when vLLM placed them in
+                                            one allocation at a constant stride (vLLM 0.32 does:
+                                            `create_kv_cache_views`), else per layer
+
+`commit_accepted_paths` is the host-list form (per-request paths), kept for
+callers that have only those.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
+from vllm_tree_spec import verify
 from vllm_tree_spec.integration import kv_layout
-from vllm_tree_spec.integration.tree_step import TreeRequestStep
+from vllm_tree_spec.integration.tree_step import TreeRequestStep, TreeStep
 
 
-def commit_accepted_paths(runner, requests: list[TreeRequestStep], accepted: list[list[int]]) -> int:
-    """Move every accepted path into place in every KV cache layer. Returns rows copied per layer."""
+def commit_accepted_paths(runner, requests: "list[TreeRequestStep] | TreeStep",
+                          accepted: "list[list[int]] | TreeVerifyOutput") -> int:  # noqa: F821
+    """Move every accepted path into place in every KV cache layer.
+
+    Host lists (per-request paths and `row_slots`): returns the rows copied per layer. A `TreeStep`
+    with its `TreeStepMeta` and the verifier's device output: `commit_step` (returns 0; counting
+    the rows would need a host sync).
+    """
+    if isinstance(requests, TreeStep):
+        commit_step(runner, requests, accepted)
+        return 0
     pairs_by_group: dict[int, tuple[list[int], list[int]]] = {}
     for req, path in zip(requests, accepted):
         for gid, slots in req.row_slots.items():
@@ -42,6 +69,114 @@ def commit_accepted_paths(runner, requests: list[TreeRequestStep], accepted: lis
                     f"layer {layer_name}: {type(impl).__name__} (KV cache {tuple(kv_cache.shape)}) has no tree commit")
         moved = max(moved, len(src))
     return moved
+
+
+# ---------------------------------------------------------------------------
+# The device path
+
+
+@dataclass
+class _GroupCommit:
+    """How one KV group's layers are moved (built on the first tree step; the caches never move)."""
+
+    layout: str  # "cpu_attn" | "paged"
+    head_size: int
+    caches: list[torch.Tensor]  # per layer, or one joined [L, ...] view
+    joined: bool  # caches == [view over every layer]
+    layer_table: torch.Tensor | None = None  # Triton: [L] int64 base addresses
+
+
+def commit_step(runner, step, result) -> None:
+    """Commit the accepted paths of a step (`TreeStepMeta` + the verifier's device outputs), in place."""
+    meta = step.meta
+    plans = runner.__dict__.setdefault("_tree_commit_groups", {})
+    for gid, row_slots in meta.row_slots.items():
+        plan = plans.get(gid)
+        if plan is None:
+            plan = plans[gid] = _plan_group(runner, gid)
+        if plan is None:
+            continue
+        if plan.layout == "paged" and plan.caches[0].device.type == "cuda":
+            from vllm_tree_spec.tree_attention import load_kernels_package
+
+            load_kernels_package()
+            from vllm_tree_spec.kernels.kv_commit_launch import kv_commit_paged_triton
+
+            kv_commit_paged_triton(plan.caches, row_slots, meta.cu_num_rows, result.accepted_nodes,
+                                   result.num_accepted, layer_table=plan.layer_table)
+            continue
+        src, dst = commit_index_lists(row_slots, meta.cu_num_rows, result.accepted_nodes, result.num_accepted)
+        if not verify.sync_free(src.device):  # CPU: drop the pairs already in place (most of a chain's)
+            moving = src != dst
+            src, dst = src[moving], dst[moving]
+            if src.numel() == 0:
+                continue
+        for cache in plan.caches:
+            copy_slots(cache, src, dst, plan.layout, plan.head_size, plan.joined)
+
+
+def commit_index_lists(row_slots, cu_num_rows, accepted_nodes, num_accepted) -> tuple[torch.Tensor, torch.Tensor]:
+    """(src, dst) slots [B * D] on the device, no host sync (`kv_layout.compaction_rows`)."""
+    src_row, dst_row = kv_layout.compaction_rows(accepted_nodes, num_accepted)  # [B, D] local rows
+    row0 = cu_num_rows[:-1, None]
+    return row_slots[row0 + src_row].reshape(-1), row_slots[row0 + dst_row].reshape(-1)
+
+
+def copy_slots(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, layout: str, head_size: int,
+               joined: bool) -> None:
+    """cache[dst] <- cache[src] for every slot pair (K and V, every head; every layer if joined), one
+    gather and one scatter. Sources are read before any destination is written (overlap-safe); pairs
+    with src == dst write back what they read."""
+    c = cache if joined else cache[None]  # [L, nb, Hkv, bs, 2D] logical
+    bs = c.shape[3]
+    sb, so, db, do = src // bs, src % bs, dst // bs, dst % bs
+    if layout == "paged":
+        c[:, db, :, do] = c[:, sb, :, so]
+        return
+    # CPU_ATTN: per (block, head) the K half is [D, bs] (transposed), then V [bs, D]: a slot's 2D
+    # elements sit at d * bs + o (K) and bs * D + o * D + d (V) of the block's bs * 2D run.
+    flat = c.flatten(3)  # [L, nb, Hkv, bs * 2D] (a view: each block's run is contiguous)
+    d_idx = torch.arange(head_size, device=src.device)
+
+    def cols(o):  # [P, 2D] element offsets of slot offsets o [P] in their block's run
+        return torch.cat([d_idx * bs + o[:, None], bs * head_size + o[:, None] * head_size + d_idx], 1)
+
+    flat[:, db[:, None], :, cols(do)] = flat[:, sb[:, None], :, cols(so)]
+
+
+def _plan_group(runner, gid: int) -> _GroupCommit | None:
+    layers = list(_group_layers(runner, gid))
+    if not layers:
+        return None
+    layouts = {getattr(impl, "tree_kv_layout", None) for _, _, impl in layers}
+    name, kv, impl = layers[0]
+    if len(layouts) != 1 or layouts - {"cpu_attn", "paged"}:
+        raise kv_layout.UnsupportedKVLayout(
+            f"layer {name}: {type(impl).__name__} (KV cache {tuple(kv.shape)}) has no tree commit")
+    layout = layouts.pop()
+    caches = [c for _, c, _ in layers]
+    if layout == "paged" and kv.device.type == "cuda":
+        table = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=kv.device)
+        return _GroupCommit(layout, impl.head_size, caches, False, table)
+    joined = join_layers(caches)
+    if joined is not None:
+        return _GroupCommit(layout, impl.head_size, [joined], True)
+    return _GroupCommit(layout, impl.head_size, caches, False)
+
+
+def join_layers(caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """One [L, ...] view over per-layer caches that share an allocation at a constant stride, else None."""
+    c0 = caches[0]
+    if any(c.shape != c0.shape or c.stride() != c0.stride() or c.dtype != c0.dtype
+           or c.untyped_storage().data_ptr() != c0.untyped_storage().data_ptr() for c in caches):
+        return None
+    order = sorted(caches, key=lambda c: c.data_ptr())
+    if len(order) == 1:
+        return order[0][None]
+    step = order[1].storage_offset() - order[0].storage_offset()
+    if step <= 0 or any(b.storage_offset() - a.storage_offset() != step for a, b in zip(order, order[1:])):
+        return None
+    return torch.as_strided(order[0], (len(order), *c0.shape), (step, *c0.stride()), order[0].storage_offset())
 
 
 def _group_layers(runner, gid: int):

@@ -230,3 +230,18 @@ def compaction_pairs(row_slots: list[int], accepted: list[int]) -> list[tuple[in
     writing any destination, so overlapping pairs are safe.
     """
     return [(row_slots[1 + n], row_slots[k]) for k, n in enumerate(accepted, start=1) if n + 1 != k]
+
+
+def compaction_rows(accepted_nodes: torch.Tensor, num_accepted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`compaction_pairs` over rows, on the device for a whole step: (src_row, dst_row) [B, D].
+
+    accepted_nodes [B, D] / num_accepted [B] are the verifier's outputs. Pair k of request b moves
+    row accepted_nodes[b, k] + 1 to row k + 1; entries past the path (and nothing else) copy the
+    root row onto itself, so no host-side filtering is needed.
+    """
+    b, d = accepted_nodes.shape
+    k = torch.arange(1, d + 1, device=accepted_nodes.device)  # destination rows
+    valid = k[None, :] <= num_accepted[:, None]  # [B, D]
+    src_row = torch.where(valid, accepted_nodes + 1, 0)
+    dst_row = torch.where(valid, k[None, :].expand(b, d), 0)
+    return src_row, dst_row

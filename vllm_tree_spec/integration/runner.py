@@ -29,6 +29,7 @@ its KV copied to slot root + k -> vLLM keeps the first k drafts.
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import numpy as np
@@ -41,7 +42,8 @@ from vllm_tree_spec.integration.adapters import select_adapter
 from vllm_tree_spec.integration.stats import TreeStats
 from vllm_tree_spec.integration.tree_sampler import (PLACEHOLDER_TOKEN_ID, sample_without_trees, tree_sample,
                                                     unsupported_reason)
-from vllm_tree_spec.integration.tree_step import TreeRequestStep, TreeStep
+from vllm_tree_spec.integration.tree_step import TreeRequestStep, TreeStep, TreeStepMeta
+from vllm_tree_spec.tree import TreeBatch
 
 logger = init_logger(__name__)
 
@@ -186,10 +188,12 @@ class TreeRunnerMixin:
         return result
 
     def _tree_build_step(self, scheduler_output) -> TreeStep:
-        from vllm_tree_spec.verify import Mode
+        """The step's trees, once: per-request records for attention, flattened tensors (`TreeStepMeta`)
+        for positions, verification and the commit. Host work is vectorised numpy over the step; the
+        device gets one upload and one gather of each KV group's slot mapping (no device-to-host copy,
+        except for adapters that read slots on the host)."""
+        from vllm_tree_spec.verify import Mode, upload
 
-        qsl = self.query_start_loc.np
-        computed = self.input_batch.num_computed_tokens_cpu
         found = []
         for rid, drafted in scheduler_output.scheduled_spec_decode_tokens.items():
             n = len(drafted)
@@ -201,37 +205,53 @@ class TreeRunnerMixin:
             dt = self._tree_drafts.get(rid)
             if dt is None:
                 raise RuntimeError(f"request {rid} has {n} scheduled drafts but no recorded tree")
-            tree = dt.tree.subtree(n)  # the scheduler may keep a topological prefix
-            if tree.tokens.tolist() != list(drafted):
-                raise RuntimeError(f"request {rid}: scheduled drafts {list(drafted)} do not match its tree "
-                                   f"{dt.tree.tokens.tolist()} (first {n} nodes: {tree.tokens.tolist()})")
-            idx = self.input_batch.req_id_to_index[rid]
-            root_row = int(qsl[idx + 1]) - n - 1
-            # vLLM's linear position of the root (host-side: no device sync per request on GPUs)
-            root_pos = int(computed[idx]) + root_row - int(qsl[idx])
-            found.append((rid, idx, root_row, root_pos, tree, dt))
+            found.append((self.input_batch.req_id_to_index[rid], rid, drafted, dt))
         if not found:
             return TreeStep([])
-        # Each KV group's slot mapping, read once per step (one device->host copy per group).
-        end = max(root_row + tree.num_nodes + 1 for _, _, root_row, _, tree, _ in found)
-        mappings = [self.input_batch.block_table[gid].slot_mapping.gpu[:end].tolist()
-                    for gid in range(len(self.kv_cache_config.kv_cache_groups))]
+        found.sort(key=lambda f: f[0])  # batch order (the sampler's row order)
+        # the scheduler may keep a topological prefix; the full tree keeps its cached structure
+        trees = [dt.tree if len(dr) == dt.tree.num_nodes else dt.tree.subtree(len(dr)) for _, _, dr, dt in found]
+        batch = TreeBatch.from_trees(trees)
+        drafted = np.fromiter(itertools.chain.from_iterable(dr for _, _, dr, _ in found), dtype=np.int64)
+        if drafted.shape[0] != int(batch.cu_num_nodes[-1]) or not np.array_equal(drafted, batch.tokens.numpy()):
+            for (_, rid, dr, dt), tree in zip(found, trees):  # name the first request that disagrees
+                if tree.tokens.tolist() != list(dr):
+                    raise RuntimeError(f"request {rid}: scheduled drafts {list(dr)} do not match its tree "
+                                       f"{dt.tree.tokens.tolist()} (first {len(dr)} nodes: {tree.tokens.tolist()})")
+        idx = np.array([f[0] for f in found], dtype=np.int64)  # [B]
+        n = batch.num_nodes.numpy()  # [B]
+        qsl = self.query_start_loc.np
+        root_row = qsl[idx + 1].astype(np.int64) - n - 1  # [B]
+        # vLLM's linear position of the root (host-side: no device sync on GPUs)
+        root_pos = self.input_batch.num_computed_tokens_cpu[idx].astype(np.int64) + root_row - qsl[idx]
+        cu_rows = batch.cu_num_rows.numpy()
+        rows = np.repeat(root_row - cu_rows[:-1], n + 1) + np.arange(cu_rows[-1])  # [R]
+        node_rows = np.delete(rows, cu_rows[:-1])  # [T] (the roots removed)
+        positions = np.repeat(root_pos, n) + batch.depth.numpy()  # [T]
+        rows_d, node_rows_d, positions_d, cu_d = upload(
+            [torch.from_numpy(a) for a in (rows, node_rows, positions, cu_rows)], self.positions.device)
+        self._tree_set_positions(node_rows_d, positions_d, trees)
+        slots = {gid: self.input_batch.block_table[gid].slot_mapping.gpu[rows_d].to(torch.long)
+                 for gid in range(len(self.kv_cache_config.kv_cache_groups))}  # [R] per group, on the device
+        meta = TreeStepMeta(batch, torch.from_numpy(idx), torch.from_numpy(root_row), cu_d, rows_d, node_rows_d,
+                            positions_d, slots)
+        host_slots = {}
+        if not getattr(self.tree_adapter, "device_commit", False):  # adapters that commit from host lists
+            host_slots = {gid: sm.tolist() for gid, sm in slots.items()}  # one copy per group
         reqs = []
-        for rid, idx, root_row, root_pos, tree, dt in found:
-            n = tree.num_nodes
-            self._tree_set_positions(root_row, root_pos, tree)
-            slots = {gid: sm[root_row: root_row + n + 1] for gid, sm in enumerate(mappings)}
-            q = dt.draft_probs[: n + 1] if dt.draft_probs is not None else None
+        for b, ((i, rid, _, dt), tree) in enumerate(zip(found, trees)):
+            q = dt.draft_probs[: tree.num_nodes + 1] if dt.draft_probs is not None else None
             mode = Mode(dt.mode)
             if mode != Mode.GREEDY:  # the user's `verification` rule (lossless for this drafting: config.py)
                 mode = Mode.parse(self.tree_cfg.verification_for(mode.name.lower()))
-            reqs.append(TreeRequestStep(rid, idx, root_row, root_pos, tree, mode, q, slots))
-        return TreeStep(reqs)
+            r0, r1 = int(cu_rows[b]), int(cu_rows[b + 1])
+            reqs.append(TreeRequestStep(rid, i, int(root_row[b]), int(root_pos[b]), tree, mode, q,
+                                        {gid: sm[r0:r1] for gid, sm in host_slots.items()}))
+        return TreeStep(reqs, meta=meta)
 
-    def _tree_set_positions(self, root_row: int, root_pos: int, tree) -> None:
-        """Draft rows get root + depth (the slot mapping, already computed, stays linear)."""
-        n = tree.num_nodes
-        self.positions[root_row + 1: root_row + 1 + n] = root_pos + tree.depth.to(self.positions.device)
+    def _tree_set_positions(self, node_rows: torch.Tensor, positions: torch.Tensor, trees) -> None:
+        """Draft rows get root + depth (the slot mapping, already computed, stays linear): [T] each."""
+        self.positions[node_rows] = positions.to(self.positions.dtype)
 
     # -- hook 3: the tree mask ------------------------------------------------------------------
 
@@ -264,15 +284,20 @@ class TreeRunnerMixin:
         if not step:  # every row through the plugin's sampler, with or without spec-decode metadata
             return sample_without_trees(self, logits, spec_decode_metadata)
         t0 = time.perf_counter()
-        output, (tree_idx, result) = tree_sample(self, logits, spec_decode_metadata, step)
+        output, (tree_idx, result, host) = tree_sample(self, logits, spec_decode_metadata, step)
         t1 = time.perf_counter()
         if result is not None:
             by_index = step.by_index()
             reqs = [by_index[b] for b in tree_idx]
-            paths = [result.accepted(j) for j in range(len(reqs))]
-            self._tree_committed = {r.req_id: [r.root_row] + [r.root_row + 1 + n for n in p]
-                                    for r, p in zip(reqs, paths)}
-            self.tree_adapter.commit(self, reqs, paths)
+            acc, num = host.accepted_nodes.tolist(), host.num_accepted.tolist()  # host copies: no sync
+            paths = [a[:k] for a, k in zip(acc, num)]
+            if getattr(self.drafter, "observe_target", None) is not None:  # rows its next call reads
+                self._tree_committed = {r.req_id: [r.root_row] + [r.root_row + 1 + n for n in p]
+                                        for r, p in zip(reqs, paths)}
+            if getattr(self.tree_adapter, "device_commit", False):  # on the device, from the verifier's tensors
+                self.tree_adapter.commit(self, step, result)
+            else:
+                self.tree_adapter.commit(self, reqs, paths)
             self.tree_stats.observe(reqs, paths)
         self.tree_stats.add_time("verify", t1 - t0)
         self.tree_stats.add_time("commit", time.perf_counter() - t1)

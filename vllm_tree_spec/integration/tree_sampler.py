@@ -23,8 +23,13 @@ the scheduler's rollback and the metrics work unchanged.
   history: the committed output plus the tokens on the path to that row, through
   vLLM's own penalty and bad-words functions. Grammars and other processors that
   read drafts as a chain are never drafted for (`unsupported_reason`).
-* All-greedy batches (the common serving case) skip the [R, V] distributions:
-  greedy verification reads only each row's argmax (`verify_batch(target_argmax=...)`).
+* One `verify_batch` call per step for all tree requests, greedy and sampled mixed. Greedy rows read
+  only their argmax (`verify_batch(target_argmax=...)`: no [R, V] distributions for them); sampled
+  requests without history- or id-dependent transforms get their p rows from one `target_probs` call
+  per set of enabled parameters (`_plain_probs`), the same ops per row as a per-request call.
+* On accelerators (`verify.sync_free`) verification has no data-dependent host sync: the step's one
+  device-to-host transfer carries the tokens, accepted paths and lengths together; seeded streams are
+  then rewound to the rows the walk read (`VerifyCoins.rewind`).
 * A round ends at the first emitted EOS or stop_token_ids id (`stop_token_ids`),
   as vLLM's scheduler stops the request there.
 * Logprobs, when requested, are computed for every emitted token from the row
@@ -38,7 +43,8 @@ import torch
 
 from vllm_tree_spec.sampling import target_logits, target_probs
 from vllm_tree_spec.tree import TreeBatch
-from vllm_tree_spec.verify import Mode, TreeVerifyOutput, VerifyCoins, _exponential_rows, race, verify_batch
+from vllm_tree_spec.verify import (Mode, TreeVerifyOutput, VerifyCoins, _exponential_rows, race, sync_free, upload,
+                                   verify_batch)
 
 PLACEHOLDER_TOKEN_ID = -1
 
@@ -201,11 +207,61 @@ def sample_rows(logits: torch.Tensor, states, histories: list[list[int]] | None 
     return y
 
 
-def tree_sample(runner, logits: torch.Tensor, spec_meta, step) -> "SamplerOutput":  # noqa: F821
-    """Sample every row of the step: verify each tree request, sample the others with `sample_rows`.
+_PARAM_KEYS = (("temperature", None), ("top_k", 0), ("top_p", 1.0), ("min_p", 0.0))
+
+
+def _plain_probs(x: torch.Tensor, p: torch.Tensor | None, rows: list[range], params: list[dict]) -> torch.Tensor:
+    """p [R, V] float32 with the rows of sampled requests (temperature > 0) that need only temperature /
+    top-k / top-p / min-p filled in; x [R, V] the step's tree-row logits, rows[j] request j's rows of x.
+
+    One `target_probs` call per set of enabled parameters (at most 8), with per-row values, so each row
+    goes through exactly the ops a per-request call would apply (same bits), and rows that need no
+    sort (no top-k / top-p) are not sorted. p None: allocated (when one call covers every row of x,
+    its result is p itself, without a scatter).
+    """
+    device = x.device
+    groups: dict[tuple, list[int]] = {}
+    for j, kw in enumerate(params):
+        groups.setdefault(tuple(kw[k] is not None for k, _ in _PARAM_KEYS[1:]), []).append(j)
+    for on, members in groups.items():
+        idx = [i for j in members for i in rows[j]]
+        whole = p is None and len(groups) == 1 and idx == list(range(x.shape[0]))
+        vals = [torch.tensor([params[j]["temperature"] for j in members for _ in rows[j]], dtype=torch.float64)]
+        for (key, _), enabled in zip(_PARAM_KEYS[1:], on):
+            if enabled:
+                vals.append(torch.tensor([params[j][key] for j in members for _ in rows[j]], dtype=torch.float64))
+        vals = _upload_floats(vals, device)
+        per_row, it = {"temperature": vals[0].to(torch.float32)}, iter(vals[1:])
+        for (key, _), enabled in zip(_PARAM_KEYS[1:], on):
+            if enabled:
+                v = next(it)
+                per_row[key] = v.to(torch.long) if key == "top_k" else v.to(torch.float32)
+        if whole:
+            return target_probs(x.to(torch.float32), **per_row, has_greedy=False)
+        if p is None:
+            p = torch.zeros(x.shape, dtype=torch.float32, device=device)
+        dst = upload([torch.tensor(idx, dtype=torch.long)], device)[0]
+        p[dst] = target_probs(x[dst].to(torch.float32), **per_row, has_greedy=False)
+    return p
+
+
+def _upload_floats(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
+    """float64 host tensors -> the device in one transfer."""
+    if torch.device(device).type == "cpu" or not tensors:
+        return tensors
+    flat = torch.cat(tensors).to(device, non_blocking=True)
+    return list(flat.split([t.numel() for t in tensors]))
+
+
+def tree_sample(runner, logits: torch.Tensor, spec_meta, step):
+    """Sample every row of the step: verify the tree requests in one batched call, sample the others
+    with `sample_rows`. Returns (SamplerOutput, (tree_idx, result, host)): `result` the verifier's
+    output on the device (the commit reads it there), `host` the same on the host.
 
     spec_meta None (no request of the step has drafts): logits has one row per request. vLLM's
-    Sampler and chain RejectionSampler are never called.
+    Sampler and chain RejectionSampler are never called. A step with trees makes one device-to-host
+    transfer (tokens, accepted paths and lengths together) and hands vLLM the host copy of the
+    sampled tokens, so its bookkeeping reads them without a second transfer.
     """
     from vllm.v1.outputs import SamplerOutput
 
@@ -216,9 +272,8 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step) -> "SamplerOutput
     starts = [0] * num_reqs
     for b in range(1, num_reqs):
         starts[b] = starts[b - 1] + num_draft[b - 1] + 1
-    root_rows = torch.tensor(starts, device=logits.device)
+    device = logits.device
     max_cols = max(num_draft, default=0) + 1
-    out = torch.full((num_reqs, max_cols), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=logits.device)
 
     tree_by_index = step.by_index()
     tree_idx = [b for b in range(num_reqs) if b in tree_by_index and num_draft[b] > 0]
@@ -226,71 +281,110 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step) -> "SamplerOutput
     # Partial prefills: vLLM discards their token, so they draw no noise (their streams stay put).
     discard = runner.discard_request_mask.np[:num_reqs]
     plain_idx = [b for b in range(num_reqs) if b not in tree_set and not discard[b]]
+    root_rows, plain_t, tree_t, tree_starts = upload(
+        [torch.tensor(starts, dtype=torch.long), torch.tensor(plain_idx, dtype=torch.long),
+         torch.tensor(tree_idx, dtype=torch.long), torch.tensor([starts[b] for b in tree_idx], dtype=torch.long)],
+        device)
+    out = torch.full((num_reqs, max_cols), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
     if plain_idx:
         plain_states = [runner.requests[runner.input_batch.req_ids[b]] for b in plain_idx]
         roots = _thinking_budget(logits[root_rows], sampling_metadata, spec_meta is not None)  # [B, V]
-        out[plain_idx, 0] = sample_rows(roots[plain_idx], plain_states)
-    emit_rows = torch.zeros(num_reqs, max_cols, dtype=torch.long, device=logits.device)  # row of each output
+        out[plain_t, 0] = sample_rows(roots[plain_t], plain_states)
+    emit_rows = torch.zeros(num_reqs, max_cols, dtype=torch.long, device=device)  # row of each output
     emit_rows[:, 0] = root_rows
-    result: TreeVerifyOutput | None = None
+    result = host = coins = None
     if tree_idx:
         reqs = [tree_by_index[b] for b in tree_idx]
         for b, r in zip(tree_idx, reqs):
             assert r.num_nodes == num_draft[b], (r.req_id, r.num_nodes, num_draft[b])
-        batch = TreeBatch.from_trees([r.tree for r in reqs])
+        meta = step.meta
+        batch = meta.batch if meta is not None and len(reqs) == len(step.requests) else \
+            TreeBatch.from_trees([r.tree for r in reqs])
         states = [runner.requests[r.req_id] for r in reqs]
-        modes = [int(Mode.GREEDY if st.sampling_params.temperature < 1e-5 else r.mode) for st, r in zip(states, reqs)]
-        stops = [stop_token_ids(st.sampling_params) for st in states]
+        sps = [st.sampling_params for st in states]
+        modes = [int(Mode.GREEDY if sp.temperature < 1e-5 else r.mode) for sp, r in zip(sps, reqs)]
+        stops = [stop_token_ids(sp) for sp in sps]
         eos = torch.full((len(states), max(1, max(map(len, stops)))), -1, dtype=torch.long)  # [B, S]
         for j, ids in enumerate(stops):
             eos[j, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        budget = [max(1, st.sampling_params.max_tokens - len(st.output_token_ids))
-                  if st.sampling_params.max_tokens is not None else 1 << 30 for st in states]
-        row_slices = [slice(starts[b], starts[b] + r.num_nodes + 1) for b, r in zip(tree_idx, reqs)]
+        budget = [max(1, sp.max_tokens - len(st.output_token_ids)) if sp.max_tokens is not None else 1 << 30
+                  for st, sp in zip(states, sps)]
+        row_ranges = [range(starts[b], starts[b] + r.num_nodes + 1) for b, r in zip(tree_idx, reqs)]
+        flat_rows = [i for rr in row_ranges for i in rr]
+        if flat_rows == list(range(len(flat_rows))):  # only tree requests in the step: a view
+            x = logits[: len(flat_rows)]
+        else:
+            x = logits[upload([torch.tensor(flat_rows, dtype=torch.long)], device)[0]]  # [R, V]
+        offsets = batch.cu_num_rows.tolist()  # host
+        local = [range(offsets[j], offsets[j + 1]) for j in range(len(reqs))]  # request j's rows of x
+        moved = [j for j, sp in enumerate(sps) if _transforms_logits(sp)]
 
         def probs_of(j: int) -> torch.Tensor:  # p rows of tree request j, as vLLM's Sampler would see them
-            st, sp = states[j], states[j].sampling_params
+            st, sp = states[j], sps[j]
             hist = row_histories(st.output_token_ids, reqs[j].tree) if _needs_history(sp) else None
-            return request_target_probs(logits[row_slices[j]], sp, hist, st.prompt_token_ids)
+            return request_target_probs(x[local[j].start: local[j].stop], sp, hist, st.prompt_token_ids)
 
-        if all(m == Mode.GREEDY for m in modes):
-            # Greedy verification reads only each row's argmax: skip the [R, V] distributions.
-            rows = torch.cat([torch.arange(sl.start, sl.stop) for sl in row_slices]).to(logits.device)
-            y = logits[rows].argmax(-1)  # [R]
-            offset = 0
-            for j, sl in enumerate(row_slices):
-                n_rows = sl.stop - sl.start
-                if _transforms_logits(states[j].sampling_params):  # allowed ids, bias, penalties, ... move argmax
-                    y[offset: offset + n_rows] = probs_of(j).argmax(-1)
-                offset += n_rows
-            result = verify_batch(batch, None, None, torch.tensor(modes), None, eos_token_id=eos,
-                                  max_tokens=torch.tensor(budget), target_argmax=y)
-        else:
-            probs = [probs_of(j) for j in range(len(reqs))]
-            p_all = torch.cat(probs)
-            q_all = None
+        # Greedy rows read only their argmax; transforms that move it (allowed ids, bias, penalties, ...)
+        # are applied per request.
+        greedy_any = any(m == Mode.GREEDY for m in modes)
+        sampled_any = any(m != Mode.GREEDY for m in modes)
+        y = x.argmax(-1) if greedy_any else None  # [R]
+        p_all = q_all = coins = None
+        moved_set = set(moved)
+        plain_sampled = [j for j in range(len(reqs)) if modes[j] != Mode.GREEDY and j not in moved_set]
+        if plain_sampled:
+            p_all = _plain_probs(x, None if len(plain_sampled) == len(reqs) else
+                                 torch.zeros(x.shape, dtype=torch.float32, device=device),
+                                 [local[j] for j in plain_sampled],
+                                 [_row_params(sps[j], 1, x.shape[1], device) for j in plain_sampled])
+        elif sampled_any:
+            p_all = torch.zeros(x.shape, dtype=torch.float32, device=device)  # [R, V]
+        for j in moved:
+            p = probs_of(j)
+            if y is not None:
+                y[local[j].start: local[j].stop] = p.argmax(-1)
+            if p_all is not None:
+                p_all[local[j].start: local[j].stop] = p
+        if sampled_any:
             if any(Mode(m).needs_draft_probs for m in modes):  # rows of other requests are never read: zeros
-                q_all = torch.cat([r.draft_probs if r.draft_probs is not None else torch.zeros_like(p)
-                                   for r, p in zip(reqs, probs)]).to(p_all)
+                q_all = torch.zeros_like(p_all)
+                for j, r in enumerate(reqs):
+                    if r.draft_probs is not None:
+                        q_all[offsets[j]: offsets[j + 1]] = r.draft_probs.to(p_all)
             coins = VerifyCoins.draw(len(reqs), batch.max_depth, batch.max_children, p_all.shape[1],
                                      generators=[st.generator for st in states], dtype=p_all.dtype,
-                                     device=p_all.device, lazy=True,  # rows drawn where the walk goes
-                                     needs_uniform=[Mode(m).needs_draft_probs for m in modes])
-            result = verify_batch(batch, p_all, q_all, torch.tensor(modes), coins,
-                                  eos_token_id=eos, max_tokens=torch.tensor(budget))
+                                     device=device, lazy=True,  # rows drawn where the walk goes
+                                     needs_uniform=[Mode(m).needs_draft_probs for m in modes],
+                                     track_streams=sync_free(device))
+        result = verify_batch(batch, p_all, q_all, torch.tensor(modes), coins, eos_token_id=eos,
+                              max_tokens=torch.tensor(budget), target_argmax=y, sync_free=sync_free(device))
         result = broadcast_from_first_rank(result)
-        for j, b in enumerate(tree_idx):
-            k = int(result.num_accepted[j]) + 1
-            out[b, :k] = result.output_token_ids[j, :k]
-            # output j' > 0 was emitted at the row of accepted node j'-1 (+1 for the root row)
-            acc = result.accepted_nodes[j, : k - 1]
-            emit_rows[b, 1:k] = starts[b] + 1 + acc
+        cols = result.output_token_ids.shape[1]
+        out[tree_t, :cols] = result.output_token_ids
+        # output j' > 0 was emitted at the row of accepted node j'-1 (+1 for the root row)
+        acc = result.accepted_nodes  # [Bt, D]
+        emit_rows[tree_t, 1:cols] = torch.where(acc >= 0, tree_starts[:, None] + 1 + acc, torch.zeros_like(acc))
 
+    if result is None:
+        out_host = None
+    else:  # the step's one device-to-host transfer
+        d = result.accepted_nodes.shape[1]
+        walked = result.walked if result.walked is not None else result.num_accepted
+        packed = torch.cat([result.accepted_nodes, result.num_accepted[:, None], walked[:, None]], 1)
+        flat = torch.cat([out.flatten(), packed.flatten()]).cpu()
+        out_host = flat[: out.numel()].view(out.shape)
+        packed = flat[out.numel():].view(packed.shape)
+        host = TreeVerifyOutput(packed[:, :d], packed[:, d], out_host[tree_idx].gather(
+            1, packed[:, d: d + 1]).squeeze(1), out_host[tree_idx, : d + 1], packed[:, d + 1])
+        if coins is not None and coins.tracked:  # give back the rows the walks drew but did not read
+            coins.rewind([int(w) + 1 if m == Mode.DETERMINISTIC else 1 << 30
+                          for w, m in zip(host.walked.tolist(), modes)])
     logprobs_tensors = None
     if sampling_metadata.max_num_logprobs is not None:
-        logprobs_tensors = _logprobs(runner, logits, emit_rows, out, sampling_metadata.max_num_logprobs)
-    sampler_output = SamplerOutput(sampled_token_ids=out.to(torch.int32), logprobs_tensors=logprobs_tensors)
-    return sampler_output, (tree_idx, result)
+        logprobs_tensors = _logprobs(runner, logits, emit_rows, out, sampling_metadata.max_num_logprobs, out_host)
+    sampled = out if out_host is None else out_host
+    sampler_output = SamplerOutput(sampled_token_ids=sampled.to(torch.int32), logprobs_tensors=logprobs_tensors)
+    return sampler_output, (tree_idx, result, host)
 
 
 def _thinking_budget(root_logits: torch.Tensor, sampling_metadata, spec_step: bool) -> torch.Tensor:
@@ -313,7 +407,7 @@ def sample_without_trees(runner, logits: torch.Tensor, spec_meta) -> "SamplerOut
     return tree_sample(runner, logits, spec_meta, TreeStep([]))[0]
 
 
-def _logprobs(runner, logits, emit_rows: torch.Tensor, out: torch.Tensor, k: int):
+def _logprobs(runner, logits, emit_rows: torch.Tensor, out: torch.Tensor, k: int, out_host=None):
     """Logprobs of every emitted token at the row it was emitted from (padding: token 0), in vLLM's
     `logprobs_mode`: raw_* from the model's logits, processed_* from the logits the token was drawn
     from (`request_target_logits`, each row with its own history); *_logits return logits."""
@@ -321,8 +415,9 @@ def _logprobs(runner, logits, emit_rows: torch.Tensor, out: torch.Tensor, k: int
     x = logits[emit_rows.flatten()].to(torch.float32)  # [B * C, V]
     if mode.startswith("processed"):
         cols = out.shape[1]
-        counts = (out >= 0).sum(-1).tolist()  # [B] emitted tokens (0: discarded partial prefill)
-        emitted = out.tolist()
+        out_h = out.cpu() if out_host is None else out_host
+        counts = (out_h >= 0).sum(-1).tolist()  # [B] emitted tokens (0: discarded partial prefill)
+        emitted = out_h.tolist()
         for b, n in enumerate(counts):
             if n == 0:
                 continue
@@ -347,8 +442,9 @@ def broadcast_from_first_rank(result: TreeVerifyOutput) -> TreeVerifyOutput:
         return result
     if group.world_size == 1:
         return result
+    walked = result.walked if result.walked is not None else result.num_accepted
     packed = torch.cat([result.accepted_nodes, result.num_accepted[:, None], result.next_token[:, None],
-                        result.output_token_ids], dim=1)
+                        walked[:, None], result.output_token_ids], dim=1)
     packed = group.broadcast(packed.contiguous(), src=0)
     d = result.accepted_nodes.shape[1]
-    return TreeVerifyOutput(packed[:, :d], packed[:, d], packed[:, d + 1], packed[:, d + 2:])
+    return TreeVerifyOutput(packed[:, :d], packed[:, d], packed[:, d + 1], packed[:, d + 3:], packed[:, d + 2])

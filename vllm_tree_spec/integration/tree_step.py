@@ -8,6 +8,11 @@ position (root + depth) and a tree mask. Flattened token rows of request b:
     root_row        the root (last sampled token), position root_pos
     root_row + 1 + i   draft node i, position root_pos + depth[i], slot row_slots[1 + i]
 
+The runner also flattens the step's trees once (`TreeStepMeta`: rows, nodes,
+depths, positions and slots as `[R]` / `[T]` tensors on the device, plus
+per-request offsets), so verification and the commit need no per-request
+work on the device; the per-request list stays for the attention overrides.
+
 No silent causal fallback: every attention override that applies the tree mask
 records its layer in the step (`mark_applied`), and after the forward the runner
 checks that every layer that must apply it did (`check_applied`). A layer whose
@@ -21,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_tree_spec.tree import Tree
+from vllm_tree_spec.tree import Tree, TreeBatch
 from vllm_tree_spec.verify import Mode
 
 
@@ -59,11 +64,30 @@ class TreeRequestStep:
 
 
 @dataclass
+class TreeStepMeta:
+    """The step's trees flattened once (R = sum(1 + n_b) tree rows, T = sum(n_b) draft nodes).
+
+    Request-major, root row first, in the order of `TreeStep.requests`. Device tensors unless
+    marked host; `batch` is the host `TreeBatch` of the same trees (verification reads its layouts).
+    """
+
+    batch: TreeBatch  # host: the B trees
+    req_index: torch.Tensor  # [B] host int64, row of each request in the persistent batch
+    root_rows: torch.Tensor  # [B] host int64, flattened token row of each root
+    cu_num_rows: torch.Tensor  # [B + 1] row offsets
+    rows: torch.Tensor  # [R] flattened token row of every tree row
+    node_rows: torch.Tensor  # [T] flattened token row of every draft node
+    positions: torch.Tensor  # [T] root_pos + depth of every draft node
+    row_slots: dict[int, torch.Tensor] = field(default_factory=dict)  # kv group id -> [R] cache slot per row
+
+
+@dataclass
 class TreeStep:
     """All tree requests of one forward, in batch order."""
 
     requests: list[TreeRequestStep]
     applied: set = field(default_factory=set)  # names of the layers that applied the tree mask this step
+    meta: TreeStepMeta | None = None  # the flattened form (the runner builds it; None in bare tests)
 
     def __bool__(self) -> bool:
         return bool(self.requests)
