@@ -141,3 +141,7 @@ class TreeProposer:
             observe(req_ids, rows, positions, aux_hidden_states)
         else:
             observe(req_ids, rows, positions)
+
+    def finish_request(self, req_id: str) -> None:
+        if req_id in self.drafter.active_requests:
+            self.drafter.finish_request(req_id)
