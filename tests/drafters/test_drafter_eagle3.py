@@ -250,3 +250,17 @@ def test_sampled_children_return_q(setup, replacement):
     assert prop.draft_probs is not None and prop.tree.num_nodes == 4
     in_vocab = torch.isfinite(head.target_logits(torch.zeros(head.cfg.draft_vocab)))
     assert bool(in_vocab[prop.tree.tokens].all())  # children come from the draft vocabulary
+
+
+def test_shared_embedding_padded_rows_dropped_shard_refused(setup):
+    """vLLM pads the target's embedding to a multiple of 64 rows: the padding is dropped; a tensor-parallel
+    shard (fewer rows than the vocabulary) is refused with the fix."""
+    from vllm_tree_spec.drafters.base import DrafterError
+
+    _, target, heads = setup
+    emb = target.model.embed_tokens.weight
+    padded = torch.cat([emb, torch.full((64, emb.shape[1]), 7.0)])
+    head = load_head(heads["eagle"], target_embedding=padded)
+    assert torch.equal(head.embed_tokens.weight, emb)
+    with pytest.raises(DrafterError, match="TP = 1"):
+        load_head(heads["eagle"], target_embedding=emb[: VOCAB // 2])

@@ -322,6 +322,16 @@ def hf_name(name: str) -> str | None:
     return name.replace("midlayer.", "layers.0.")
 
 
+def shared_weight(w: torch.Tensor, cfg: Eagle3Config, who: str, what: str) -> torch.Tensor:
+    """The target's [V, H] embedding / LM head for the head: vLLM pads vocabularies to a multiple of 64
+    (the rows past V are padding and dropped); fewer rows is a tensor-parallel shard (refused)."""
+    if w.dim() != 2 or w.shape[1] != cfg.hidden or w.shape[0] < cfg.vocab:
+        raise DrafterError(f"{who} shares the target's {what}, but it has shape {tuple(w.shape)}, not "
+                           f"[vocab {cfg.vocab}, hidden {cfg.hidden}] (a tensor-parallel shard?); run the EAGLE "
+                           f"tree drafters with TP = 1")
+    return w.detach()[: cfg.vocab].to("cpu")
+
+
 def load_head(path: str | Path, *, target_embedding: torch.Tensor | None = None, dtype=torch.float32,
               device="cpu") -> Eagle3Head:
     """Build the head from a checkpoint directory; `target_embedding` [V, H] fills a missing embed_tokens."""
@@ -336,11 +346,7 @@ def load_head(path: str | Path, *, target_embedding: torch.Tensor | None = None,
     if "embed_tokens.weight" not in state:
         if target_embedding is None:
             raise DrafterError(f"EAGLE-3 head {path} has no embed_tokens and no target embedding was given")
-        if tuple(target_embedding.shape) != (cfg.vocab, cfg.hidden):
-            raise DrafterError(f"EAGLE-3 head {path} shares the target's embedding, but it has shape "
-                               f"{tuple(target_embedding.shape)}, not [vocab {cfg.vocab}, hidden {cfg.hidden}] "
-                               f"(a tensor-parallel shard?); run the eagle3 tree drafter with TP = 1")
-        state["embed_tokens.weight"] = target_embedding.detach().to("cpu")
+        state["embed_tokens.weight"] = shared_weight(target_embedding, cfg, f"EAGLE-3 head {path}", "embedding")
     if "d2t" not in state and cfg.draft_vocab != cfg.vocab:
         raise DrafterError(f"EAGLE-3 head {path}: draft_vocab_size {cfg.draft_vocab} != vocab_size {cfg.vocab} "
                            f"but the checkpoint has no d2t map")

@@ -35,7 +35,7 @@ from vllm_tree_spec.drafters.eagle3_head import (
     _checkpoint_tensors,
     _MLP,
     _rope,
-    to_target_vocab,
+    shared_weight,
 )
 
 
@@ -138,11 +138,7 @@ def load_eagle_head(path: str | Path, *, target_embedding: torch.Tensor | None =
             continue
         if shared is None:
             raise DrafterError(f"EAGLE head {path} has no {key} and the target's {what} was not given")
-        if tuple(shared.shape) != (cfg.vocab, cfg.hidden):
-            raise DrafterError(f"EAGLE head {path} shares the target's {what}, but it has shape "
-                               f"{tuple(shared.shape)}, not [vocab {cfg.vocab}, hidden {cfg.hidden}] "
-                               f"(a tensor-parallel shard?); run the eagle tree drafter with TP = 1")
-        state[key] = shared.detach().to("cpu")
+        state[key] = shared_weight(shared, cfg, f"EAGLE head {path}", what)
     state["d2t"] = torch.zeros(cfg.vocab, dtype=torch.long)
     expected = set(head.state_dict())
     missing, unexpected = expected - set(state), set(state) - expected
@@ -153,4 +149,4 @@ def load_eagle_head(path: str | Path, *, target_embedding: torch.Tensor | None =
     return head.to(device).eval()
 
 
-__all__ = ["EagleHead", "load_eagle_head", "config_from_hf", "to_target_vocab"]
+__all__ = ["EagleHead", "load_eagle_head", "config_from_hf"]
