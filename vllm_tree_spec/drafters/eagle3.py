@@ -257,7 +257,8 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
     """Tree drafts from an EAGLE-3 head fed by the target's auxiliary hidden states.
 
     Args:
-        head: the loaded head (`eagle3_head.load_head`), or None to load `path` in `load_model`.
+        head: the loaded head (`eagle3_head.load_head`; the EAGLE-1 subclass in `eagle.py` takes an
+            `eagle_head.EagleHead`), or None to load `path` in `load_model`.
         policy: the tree policy (anything `parse_policy` accepts).
         path: the head's checkpoint directory (when `head` is None).
         dtype, device: where the head runs.
