@@ -13,7 +13,8 @@ head measures cost only: acceptance needs a trained head.
 (576 hidden, 9 / 3 heads, 8,192-token draft vocabulary over the 49,152-token target vocabulary), random
 target features, contexts of --context tokens, and after each round a random accepted path of 0-2 nodes
 plus the bonus token is committed, as the engine would. It prints milliseconds per request-round
-(propose + observe, per request), which isolates the drafter's cost from the target's.
+(propose + observe, per request; wall clock and process CPU time, the latter steadier on shared
+cores), which isolates the drafter's cost from the target's.
 """
 
 from __future__ import annotations
@@ -113,10 +114,10 @@ def drafter_only(batches: list[int], tree: str, rounds: int, context: int, draft
             drafter.observe_target([i], [list(range(context))], torch.arange(context),
                                    torch.randn(context, feat, generator=g))
             ctx[i] = toks
-        t_prop = t_obs = 0.0
+        t_prop = t_obs = cpu = 0.0
         nodes = 0
         for r in range(rounds + 2):  # two warm-up rounds
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             props = drafter.propose([DraftRequest(i, ctx[i], temperature) for i in range(b)], 64)
             t1 = time.perf_counter()
             rows, flat_pos = [], []
@@ -137,13 +138,15 @@ def drafter_only(batches: list[int], tree: str, rounds: int, context: int, draft
                 nodes += tr.num_nodes
             drafter.observe_target(list(range(b)), rows, torch.tensor(flat_pos),
                                    torch.randn(len(flat_pos), feat, generator=g))
-            t2 = time.perf_counter()
+            t2, c2 = time.perf_counter(), time.process_time()
             if r >= 2:
+                cpu += c2 - c0
                 t_prop += t1 - t0
                 t_obs += t2 - t1
         row = dict(batch=b, tree=tree, sampling=sampling or "topk", rounds=rounds, context=context,
                    threads=torch.get_num_threads(),
                    ms_per_request_round=1e3 * (t_prop + t_obs) / (rounds * b),
+                   cpu_ms_per_request_round=1e3 * cpu / (rounds * b),
                    propose_ms_per_step=1e3 * t_prop / rounds, nodes_per_tree=nodes / ((rounds + 2) * b))
         results.append(row)
         print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
