@@ -13,7 +13,8 @@ DM = {"drafter": "draft_model", "model": "/draft"}  # a draft-model config that 
 
 # (id, keys besides method "tree", key named, fix spelled out)
 MALFORMED = [
-    ("unknown-drafter", {"drafter": "eagle"}, "drafter", "'suffix', 'ngram', 'draft_model', 'mtp' or 'eagle3'"),
+    ("unknown-drafter", {"drafter": "medusa"}, "drafter",
+     "'suffix', 'ngram', 'draft_model', 'mtp', 'eagle3' or 'eagle'"),
     ("drafter-not-a-string", {"drafter": 3}, "drafter", "'suffix', 'ngram'"),
     ("unknown-key-typo", {"num_spec_tokens": 4}, "num_spec_tokens", "did you mean 'num_speculative_tokens'"),
     ("unknown-key", {"speculative_model": "x"}, "speculative_model", "valid keys: budgets"),

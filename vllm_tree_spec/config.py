@@ -6,16 +6,18 @@ names the key and the fix. Example:
     vllm serve MODEL --speculative-config '{"method": "tree", "drafter": "suffix", "tree": "s3_k2_d6"}'
 
 Keys (see README for the table):
-    drafter            "suffix" | "ngram" | "draft_model" | "mtp" | "eagle3"
-    model              draft model path (drafter "draft_model"), EAGLE-3 head directory (drafter "eagle3")
+    drafter            "suffix" | "ngram" | "draft_model" | "mtp" | "eagle3" | "eagle"
+    model              draft model path (drafter "draft_model"), EAGLE-3 / EAGLE-1 head directory
+                       (drafters "eagle3" / "eagle")
     tree               node layout: a shape "s{steps}_k{topk}_d{tokens}", explicit child-rank paths
                        "[(0,), (1,), (0, 0)]", or "chain:K"
-    dynamic            draft_model, eagle3: EAGLE-2 rerank of a shape by draft scores (default True for shapes)
+    dynamic            draft_model, eagle3, eagle: EAGLE-2 rerank of a shape by draft scores (default True for shapes)
     num_speculative_tokens   vLLM's per-request draft slot count; defaults to the largest tree
     verification       the lossless rule: "auto" (the one that matches how the drafter chooses children), or
                        "deterministic" for draft_sampling "sample_without_replacement" (one draw y ~ p per
                        node instead of rejection sampling against q); rules that would be lossy are refused
-    draft_sampling     draft_model, eagle3: "topk" (deterministic children) | "sample" | "sample_without_replacement"
+    draft_sampling     draft_model, eagle3, eagle: "topk" (deterministic children) | "sample" |
+                       "sample_without_replacement"
     budgets            "auto" (default): the online shape policy re-plans the drafted tree (a tree, a chain or
                        no speculation) per batch-size bucket from measured acceptance and step costs
                        (online_policy.py, docs/planner.md section 4); or a static table {"batch size": max
@@ -37,7 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from vllm_tree_spec.tree import Tree, TreeError, TreeShape
 
 TREE_METHOD = "tree"
-MODEL_DRAFTERS = ("draft_model", "eagle3")  # drafters with a q: dynamic trees and sampled children apply
+MODEL_DRAFTERS = ("draft_model", "eagle3", "eagle")  # drafters with a q: dynamic trees and sampled children apply
 
 
 # How a drafter chooses children -> the verification rules that are lossless for them (first: 'auto').
@@ -56,7 +58,7 @@ DRAFTER_KEYS: dict[str, tuple[str, ...]] = {  # keys that only one drafter famil
     "prompt_lookup_max": ("ngram",),
     "max_spec_factor": ("suffix",),
     "min_token_prob": ("suffix",),
-    "dynamic": ("draft_model", "mtp", "eagle3"),
+    "dynamic": ("draft_model", "mtp", "eagle3", "eagle"),
     "seed": MODEL_DRAFTERS,
 }
 
@@ -69,10 +71,10 @@ class TreeSpecConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     method: Literal["tree"] = "tree"
-    drafter: Literal["suffix", "ngram", "draft_model", "mtp", "eagle3"] = Field(
+    drafter: Literal["suffix", "ngram", "draft_model", "mtp", "eagle3", "eagle"] = Field(
         "suffix", description="Who proposes the tree.")
-    model: str | None = Field(None, description="Draft model path (drafter 'draft_model') or EAGLE-3 head "
-                              "directory (drafter 'eagle3').")
+    model: str | None = Field(None, description="Draft model path (drafter 'draft_model') or EAGLE head "
+                              "directory (drafters 'eagle3', 'eagle').")
     tree: str | list[list[int]] | None = Field(
         None, description="Tree layout: shape string, explicit rank paths, or 'chain:K'. Model-free drafters "
         "only use its node count; default: 's3_k2_d6', or num_speculative_tokens nodes for suffix/ngram.")
@@ -124,9 +126,9 @@ class TreeSpecConfig(BaseModel):
             )
         if self.drafter == "draft_model" and not self.model:
             raise ValueError("key 'model' is required for drafter 'draft_model': pass the draft model's path")
-        if self.drafter == "eagle3" and not self.model:
-            raise ValueError("key 'model' is required for drafter 'eagle3': pass the EAGLE-3 head's directory "
-                             "(the one vLLM's {\"method\": \"eagle3\", \"model\": ...} loads)")
+        if self.drafter in ("eagle3", "eagle") and not self.model:
+            raise ValueError(f"key 'model' is required for drafter {self.drafter!r}: pass the head's directory "
+                             f"(the one vLLM's {{\"method\": \"{self.drafter}\", \"model\": ...}} loads)")
         if self.drafter not in MODEL_DRAFTERS and self.model:
             why = " (the MTP head is read from the target's checkpoint)" if self.drafter == "mtp" else ""
             raise ValueError(f"key 'model' is not used by drafter {self.drafter!r}; remove it{why}")
@@ -138,7 +140,8 @@ class TreeSpecConfig(BaseModel):
             raise ValueError("key 'seed' seeds the draft model's own sampling, which draft_sampling 'topk' does not "
                              "do; remove it or set draft_sampling")
         if self.drafter not in MODEL_DRAFTERS and self.draft_sampling != "topk":
-            raise ValueError("key 'draft_sampling' applies to drafters 'draft_model' and 'eagle3' only; remove it")
+            raise ValueError("key 'draft_sampling' applies to drafters 'draft_model', 'eagle3' and 'eagle' only; "
+                             "remove it")
         if self.draft_sampling != "topk" and isinstance(self.layout(), TreeShape):
             raise ValueError(
                 f"key 'tree' = {self.tree!r} is a dynamic shape, but draft_sampling = {self.draft_sampling!r} "

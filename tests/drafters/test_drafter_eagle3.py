@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
 from tiny_eagle3 import make_tiny_eagle3  # noqa: E402
 
 from vllm_tree_spec.drafters.base import DraftRequest  # noqa: E402
-from vllm_tree_spec.drafters.eagle3 import Eagle3TreeDrafter  # noqa: E402
+from vllm_tree_spec.drafters.eagle3 import WITHOUT_REPLACEMENT_FLOOR, Eagle3TreeDrafter  # noqa: E402
 from vllm_tree_spec.drafters.eagle3_head import load_head  # noqa: E402
 from vllm_tree_spec.drafters.policy import DynamicPolicy, SampledPolicy, StaticPolicy  # noqa: E402
 from vllm_tree_spec.tree import Tree, TreeShape  # noqa: E402
@@ -70,7 +70,7 @@ def reference_logits(head, tokens: list[int], aux: torch.Tensor, path: tuple[int
                 feats.append(g_last)
             m = len(ids)
             mask = torch.tril(torch.ones(m, m, dtype=torch.bool))[None]
-            logits, g, _ = head(torch.tensor([ids]), torch.stack(feats)[None], torch.arange(m)[None], None, mask)
+            logits, g = head(torch.tensor([ids]), torch.stack(feats)[None], torch.arange(m)[None], mask)
             g_last = g[0, -1]
     return logits[0, -1]
 
@@ -83,9 +83,9 @@ def node_path(tree, i: int) -> tuple[int, ...]:
     return tuple(reversed(path))
 
 
-def start(drafter, target, rid, tokens):
+def start(drafter, target, rid, tokens, feats_fn=None):
     drafter.start_request(rid, tokens[:-1] or tokens)
-    aux = aux_states(target, tokens)
+    aux = (feats_fn or aux_states)(target, tokens)
     drafter.observe_target([rid], [list(range(len(tokens) - 1))], torch.arange(len(tokens)), aux)
     return aux
 
@@ -143,7 +143,7 @@ def test_logits_equal_vllm_eagle3_class(setup, layout):
                 normed, pre = ref(ids, torch.arange(T), ref.combine_hidden_states(aux))
                 want = ref.compute_logits(normed)
                 mask = torch.tril(torch.ones(T, T, dtype=torch.bool))[None]
-                ld, ours_pre, _ = head(ids[None], head.combine(aux[None]), torch.arange(T)[None], None, mask)
+                ld, ours_pre = head(ids[None], head.combine(aux[None]), torch.arange(T)[None], mask)
                 got = head.target_logits(ld)[0]
             fin = torch.isfinite(want)
             assert torch.equal(fin, torch.isfinite(got)), "draft vocabulary (d2t) differs"
@@ -157,31 +157,54 @@ def test_logits_equal_vllm_eagle3_class(setup, layout):
     assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-2000:] + res.stderr[-4000:]
 
 
-@pytest.mark.parametrize("policy", [
-    StaticPolicy.of(Tree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])),
-    DynamicPolicy.of(TreeShape.parse("s3_k3_d9")),
-], ids=["static", "dynamic"])
-def test_path_invariant(setup, policy):
-    """q at every expanded tree row equals the head run sequentially along that row's path."""
-    _, target, heads = setup
-    head = load_head(heads["eagle"], target_embedding=target.model.embed_tokens.weight)
-    drafter = Eagle3TreeDrafter(head, policy, return_draft_probs=True)
+def draft_q(head, draft_logits: torch.Tensor, temperature: float = 1.0, floor: float = 0.0) -> torch.Tensor:
+    """q [V] on the target vocabulary: softmax over the draft vocabulary (a uniform share `floor` mixed in
+    for draws without replacement), 0 outside it."""
+    q = torch.softmax(draft_logits.float() / temperature, -1)
+    q = (1 - floor) * q + floor / q.shape[-1] if floor else q
+    return torch.zeros(head.cfg.vocab).index_copy_(0, head.target_ids, q)
+
+
+SHAPE = Tree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+POLICIES = {  # policy, request temperature, temperature and uniform floor of the q rows
+    "static": (StaticPolicy.of(SHAPE), 0.0, 1.0, 0.0),
+    "dynamic": (DynamicPolicy.of(TreeShape.parse("s3_k3_d9")), 0.0, 1.0, 0.0),
+    "sampled": (SampledPolicy.of(SHAPE, replacement=True), 0.8, 0.8, 0.0),
+    "sampled_without_replacement": (SampledPolicy.of(SHAPE, replacement=False), 0.8, 0.8,
+                                    WITHOUT_REPLACEMENT_FLOOR),
+}
+
+
+def check_path_invariant(drafter, head, target, feats_fn, reference_fn, temp, q_temp, floor) -> int:
+    """Three requests drafted together; q at every expanded row == the head run sequentially along the
+    row's path. Returns the number of rows checked."""
     g = torch.Generator().manual_seed(1)
     contexts = [torch.randint(7, VOCAB, (n,), generator=g).tolist() for n in (5, 12, 9)]
-    auxes = [start(drafter, target, f"r{i}", toks) for i, toks in enumerate(contexts)]
-    props = drafter.propose([DraftRequest(f"r{i}", toks, 0.0) for i, toks in enumerate(contexts)], 8)
+    feats = [start(drafter, target, f"r{i}", toks, feats_fn) for i, toks in enumerate(contexts)]
+    props = drafter.propose([DraftRequest(f"r{i}", toks, temp) for i, toks in enumerate(contexts)], 8)
     checked = 0
-    for toks, aux, prop in zip(contexts, auxes, props):
+    for toks, aux, prop in zip(contexts, feats, props):
         tree = prop.tree
         assert tree.num_nodes >= 5
         paths = [()] + [node_path(tree, i) for i in range(tree.num_nodes)]
         for row, path in enumerate(paths):
             if not tree.children[row]:
                 continue  # leaves are never expanded
-            want = torch.softmax(head.target_logits(reference_logits(head, toks, aux, path)).float(), -1)
+            want = draft_q(head, reference_fn(head, toks, aux, path), q_temp, floor)
             torch.testing.assert_close(prop.draft_probs[row], want, atol=1e-5, rtol=1e-4)
             checked += 1
-    assert checked >= 6
+    return checked
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_path_invariant(setup, name):
+    """q at every expanded tree row equals the head run sequentially along that row's path (static,
+    dynamic and sampled trees; the sampled rows are the q verification uses)."""
+    _, target, heads = setup
+    policy, temp, q_temp, floor = POLICIES[name]
+    head = load_head(heads["eagle"], target_embedding=target.model.embed_tokens.weight)
+    drafter = Eagle3TreeDrafter(head, policy, return_draft_probs=True, seed=5)
+    assert check_path_invariant(drafter, head, target, aux_states, reference_logits, temp, q_temp, floor) >= 6
 
 
 def test_catch_up_after_accepts_and_rewind(setup):
@@ -227,3 +250,17 @@ def test_sampled_children_return_q(setup, replacement):
     assert prop.draft_probs is not None and prop.tree.num_nodes == 4
     in_vocab = torch.isfinite(head.target_logits(torch.zeros(head.cfg.draft_vocab)))
     assert bool(in_vocab[prop.tree.tokens].all())  # children come from the draft vocabulary
+
+
+def test_shared_embedding_padded_rows_dropped_shard_refused(setup):
+    """vLLM pads the target's embedding to a multiple of 64 rows: the padding is dropped; a tensor-parallel
+    shard (fewer rows than the vocabulary) is refused with the fix."""
+    from vllm_tree_spec.drafters.base import DrafterError
+
+    _, target, heads = setup
+    emb = target.model.embed_tokens.weight
+    padded = torch.cat([emb, torch.full((64, emb.shape[1]), 7.0)])
+    head = load_head(heads["eagle"], target_embedding=padded)
+    assert torch.equal(head.embed_tokens.weight, emb)
+    with pytest.raises(DrafterError, match="TP = 1"):
+        load_head(heads["eagle"], target_embedding=emb[: VOCAB // 2])

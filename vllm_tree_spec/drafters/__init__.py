@@ -7,9 +7,12 @@
     suffix.py       model-free trees from Arctic Inference's suffix trees
     ngram.py        model-free trees from n-gram matches in the request's own context
     draft_model.py  a small Hugging Face causal LM expanded one level per forward with tree masks
-                    (and LevelTreeDrafter: policy-driven level-by-level building, shared with eagle3)
+                    (and LevelTreeDrafter / LevelSession: policy-driven level-by-level building and
+                    the q rows, shared with eagle3 and eagle)
     eagle3.py       an EAGLE-3 head (eagle3_head.py: the checkpoint vLLM's eagle3 loads) fed by the
                     target's auxiliary hidden states, one level per forward with tree masks (needs vLLM)
+    eagle.py        an EAGLE-1 head (eagle_head.py: the checkpoint vLLM's eagle loads) fed by the
+                    target's last hidden state, on eagle3.py's machinery (needs vLLM)
 
 Importing this package imports torch and numpy, but neither vLLM, transformers
 nor arctic-inference: the drafters that need those import them when built.

@@ -76,7 +76,7 @@ from vllm_tree_spec.verify import Mode
 
 PREFILL_CHUNK = 512  # committed tokens per extension forward: bounds the [chunk, L] mask
 TOPK_TEMPERATURE = 1.0  # top-k trees rank and score the raw draft distribution
-WITHOUT_REPLACEMENT_FLOOR = 1e-6  # uniform share mixed into q for draws without replacement (see _TreeSession._q)
+WITHOUT_REPLACEMENT_FLOOR = 1e-6  # uniform share mixed into q for draws without replacement (see LevelSession)
 UNSUPPORTED_ATTENTION = ("flash_attention_2", "flash_attention_3", "flex_attention")
 
 
@@ -135,12 +135,61 @@ class _Node:
     ancestors: list[int]  # tree columns of its proper ancestors
 
 
-class _TreeSession:
-    """The `build.DraftFn` for one builder call: q at tree rows, one forward per call.
+class LevelSession:
+    """Base of a model drafter's `build.DraftFn` for one builder call: q at tree rows, one forward per call.
 
-    Query b of a builder call is request b of `states`; a query's path is the
-    draft tokens from the root's child down to its row (() = the root row).
+    Query b of a builder call is request b of `states` (each with `root_logits`, the logits at the
+    root row); a query's path is the draft tokens from the root's child down to its row (() = the
+    root row). Subclasses implement `_level(per_req)`: one forward over every queried non-root row,
+    returning their logits [B, n_max, V'] (request b's rows in the order given).
     """
+
+    def __init__(self, states: list[Any], temperatures: list[float], uniform_floor: float = 0.0):
+        self.states = states
+        self.temperatures = temperatures
+        self.uniform_floor = uniform_floor
+
+    def close(self) -> None:
+        pass
+
+    def _level(self, per_req: list[list[tuple[int, tuple[int, ...]]]]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, queries: Sequence[build.DraftQuery]) -> torch.Tensor:
+        per_req: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in self.states]
+        roots = []  # (query index, request) of root rows: q from the logits kept by the last extension
+        for qi, query in enumerate(queries):
+            if query.path:
+                per_req[query.request].append((qi, query.path))
+            else:
+                roots.append((qi, query.request))
+        parts, order, req = [], [], []
+        if roots:
+            parts.append(torch.stack([self.states[b].root_logits for _, b in roots]))  # [n_root, V']
+            order += [qi for qi, _ in roots]
+            req += [b for _, b in roots]
+        if any(per_req):
+            logits = self._level(per_req)  # [B, n_max, V']
+            bi = [b for b, rows in enumerate(per_req) for _ in rows]
+            ji = [j for rows in per_req for j in range(len(rows))]
+            parts.append(logits[bi, ji].to(parts[0].device if parts else logits.device))
+            order += [qi for rows in per_req for qi, _ in rows]
+            req += bi
+        logits = torch.cat(parts) if len(parts) > 1 else parts[0]  # [len(queries), V'] in `order`
+        temps = torch.tensor([self.temperatures[b] for b in req], dtype=torch.float32, device=logits.device)
+        q = torch.softmax(logits.float() / temps[:, None], dim=-1)
+        if self.uniform_floor:
+            # At low temperature softmax underflows to a handful of nonzero tokens, too few for c
+            # distinct draws; a tiny uniform share keeps every token drawable. This mixture is the
+            # q returned with the tree, so verification stays exact.
+            q = (1 - self.uniform_floor) * q + self.uniform_floor / q.shape[-1]
+        out = torch.empty_like(q)
+        out[torch.tensor(order, device=q.device)] = q
+        return out  # [len(queries), V']
+
+
+class _TreeSession(LevelSession):
+    """The draft model's session: per-request transformers caches, padded into one batch."""
 
     def __init__(
         self,
@@ -149,10 +198,8 @@ class _TreeSession:
         temperatures: list[float],
         uniform_floor: float = 0.0,
     ):
+        super().__init__(states, temperatures, uniform_floor)
         self.drafter = drafter
-        self.states = states
-        self.temperatures = temperatures
-        self.uniform_floor = uniform_floor
         self.lengths = [len(s.tokens) for s in states]
         self.l_max = max(self.lengths)
         # One request: extend its own cache and crop later (no copy); several: a padded working copy.
@@ -166,29 +213,8 @@ class _TreeSession:
             _crop(self.cache, self.lengths[0])
         self.cache = None
 
-    def _q(self, logits: torch.Tensor, b: int) -> torch.Tensor:
-        q = torch.softmax(logits.float() / self.temperatures[b], dim=-1)  # [V]
-        if self.uniform_floor:
-            # At low temperature softmax underflows to a handful of nonzero tokens, too few for c
-            # distinct draws; a tiny uniform share keeps every token drawable. This mixture is the
-            # q returned with the tree, so verification stays exact.
-            q = (1 - self.uniform_floor) * q + self.uniform_floor / q.shape[-1]
-        return q
-
-    def __call__(self, queries: Sequence[build.DraftQuery]) -> torch.Tensor:
-        out: list[torch.Tensor | None] = [None] * len(queries)
-        per_req: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in self.states]
-        for qi, query in enumerate(queries):
-            if query.path:
-                per_req[query.request].append((qi, query.path))
-            else:  # the root row: q from the logits kept by the last extension
-                out[qi] = self._q(self.states[query.request].root_logits, query.request)
-        if any(per_req):
-            self._level(per_req, out)
-        return torch.stack(out)  # [len(queries), V]
-
-    def _level(self, per_req, out) -> None:
-        """One forward over every queried row of this call; fills out[qi] with its q."""
+    def _level(self, per_req) -> torch.Tensor:
+        """One forward over every queried row of this call -> logits [B, n_max, V]."""
         model, device = self.drafter.model, self.drafter.device
         batch, width = len(self.states), max(len(r) for r in per_req)
         kv_len = self.l_max + self.num_slots + width
@@ -229,9 +255,7 @@ class _TreeSession:
                 use_cache=True,
             ).logits  # [B, n_max, V]
         self.num_slots += width
-        for b, rows in enumerate(per_req):
-            for j, (qi, _) in enumerate(rows):
-                out[qi] = self._q(logits[b, j], b)
+        return logits
 
 
 class LevelTreeDrafter(TreeDrafter):
@@ -240,7 +264,10 @@ class LevelTreeDrafter(TreeDrafter):
     Subclasses set `policy`, `return_draft_probs` and `vocab_size`, and provide
     `_prepare` (bring every request's committed draft state up to date, batched
     where they can; returns per-request states with a `generator`) and
-    `_session` (a `build.DraftFn` over those states with a `close()`).
+    `_session` (a `LevelSession` over those states: it answers the builders' q queries, one
+    forward per level, and the softmax / temperature / uniform floor are shared here). A drafter
+    whose session answers over its own vocabulary (EAGLE's draft vocabulary) maps each built tree to
+    target ids in `_to_target`.
     """
 
     policy: TreePolicy
@@ -249,8 +276,12 @@ class LevelTreeDrafter(TreeDrafter):
     def _prepare(self, requests: list[DraftRequest]) -> list[Any]:
         raise NotImplementedError
 
-    def _session(self, states: list[Any], temps: list[float], floor: float):
+    def _session(self, states: list[Any], temps: list[float], floor: float) -> LevelSession:
         raise NotImplementedError
+
+    def _to_target(self, dt: build.DraftTree) -> build.DraftTree:
+        """A tree built over the session's vocabulary -> target token ids (identity: the same vocabulary)."""
+        return dt
 
     # -- drafting -------------------------------------------------------------
 
@@ -284,7 +315,7 @@ class LevelTreeDrafter(TreeDrafter):
         for (policy, sampled), idx in groups.items():
             states = [all_states[i] for i in idx]
             temps = [requests[i].temperature if sampled else TOPK_TEMPERATURE for i in idx]
-            trees = self._build(policy, states, temps)
+            trees = [self._to_target(dt) for dt in self._build(policy, states, temps)]
             for i, dt in zip(idx, trees):
                 q = dt.q if (sampled or self.return_draft_probs) else None
                 out[i] = TreeProposal(dt.tree, modes[i], draft_probs=q, scores=dt.scores)

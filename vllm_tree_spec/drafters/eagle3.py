@@ -8,23 +8,28 @@ n committed tokens x_0..x_{n-1} (the last one is the root, just sampled by
 the target) the head holds entries t = 0..n-2, and the last entry's output
 is q at the root row.
 
-* **Committed head KV per request.** Each step the runner hands over the
-  target rows it committed (`observe_target`: prefill rows, or the root and
-  the accepted path of a tree step) with the target's auxiliary hidden
-  states at those rows. The next `propose` feeds the new entries of every
-  request through the head in one batched forward (right-padded, causal
-  among a request's new entries, each over its own committed KV) and appends
-  their KV. If the committed tokens no longer match the entries (the caller
-  rewound), the head's KV is cropped to the common prefix first.
-* **One forward per tree level.** A node at depth d with token y is the
-  entry (y, g' of its parent) at position n - 2 + d, where g' is the head's
-  own pre-norm output (at the root: the last committed entry's). It attends
-  to its request's committed head KV and its ancestors' tree KV only (an
-  explicit boolean mask over [committed | tree columns]); requests are
-  batched by right-padding, as in `draft_model.py`. Tree KV is dropped after
-  the step; committed KV only ever holds committed entries.
-* **Draft vocabulary.** q lives on the target vocabulary: draft ids map to
-  target ids through d2t, and tokens outside the draft vocabulary get q = 0.
+* **Committed head KV, one store.** Every request owns a slot (batch row) of
+  one store per layer, keys/values [slots, H_kv, capacity, D]; its entries
+  fill columns [0, length). Each step the runner hands over the target rows
+  it committed (`observe_target`: prefill rows, or the root and the accepted
+  path of a tree step) with the target's features at those rows. The next
+  `propose` feeds the new entries of every request through the head in one
+  forward, writing their KV into the slots in place (the LM head runs on the
+  last entry only: q at the root). If the committed tokens no longer match
+  the entries (the caller rewound), the length is cut to the common prefix.
+* **One forward per tree level, all requests.** A node at depth d with token
+  y is the entry (y, g' of its parent) at position n - 2 + d, where g' is the
+  head's own pre-norm output (at the root: the last committed entry's). Tree
+  node s of the step lives in column L_max + s of its request's row (scratch
+  columns past every committed length), and attends to its request's
+  committed columns and its ancestors' columns only: each node keeps its
+  ancestor set as a boolean row, so a level's mask is one gather. When the
+  step's requests hold consecutive slots the forward runs on a view of the
+  store (no KV copy at all); otherwise on one gathered copy per step.
+* **Draft vocabulary.** q is computed over the head's draft vocabulary only
+  (softmax, ranking and draws over V_draft); tree tokens are mapped to target
+  ids through d2t, and q rows returned with a tree are scattered onto the
+  target vocabulary (0 outside the draft vocabulary): the draft law, exactly.
 
 Policies and verification modes are those of `draft_model.py`
 (`LevelTreeDrafter`): static top-k shapes, dynamic EAGLE-2 reranking by
@@ -32,7 +37,8 @@ cumulative log q, sampled children with or without replacement (q returned).
 
 Needs vLLM (the head's config parser and RoPE); the vLLM runner wiring that
 makes the target return its auxiliary hidden states is
-`integration/eagle3_aux.py`.
+`integration/eagle3_aux.py`. EAGLE-1 heads run on the same machinery
+(`eagle.py`, `eagle_head.py`).
 """
 
 from __future__ import annotations
@@ -44,171 +50,215 @@ import torch
 
 from vllm_tree_spec import build
 from vllm_tree_spec.drafters.base import DraftRequest, DrafterError
-from vllm_tree_spec.drafters.draft_model import WITHOUT_REPLACEMENT_FLOOR, LevelTreeDrafter, _request_seed
-from vllm_tree_spec.drafters.eagle3_head import Eagle3Head, load_head
+from vllm_tree_spec.drafters.draft_model import (
+    WITHOUT_REPLACEMENT_FLOOR,
+    LevelSession,
+    LevelTreeDrafter,
+    _request_seed,
+)
+from vllm_tree_spec.drafters.eagle3_head import Eagle3Head, load_head, to_target_vocab
 from vllm_tree_spec.drafters.policy import TreePolicy, parse_policy
 from vllm_tree_spec.drafters.suffix import as_int_list
 
 __all__ = ["Eagle3TreeDrafter", "WITHOUT_REPLACEMENT_FLOOR"]
 
+TREE_RESERVE = 16  # tree columns a session reserves up front (grown on demand)
 
-class _KVBuffer:
-    """One request's committed head KV per layer: [1, H_kv, capacity, D], grown by doubling."""
 
-    def __init__(self):
-        self.layers: list[list[torch.Tensor]] = []  # per layer [keys, values]
-        self.length = 0
+class _KVStore:
+    """Committed head KV of every request: per layer keys/values [slots, H_kv, capacity, D].
 
-    def view(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(k[:, :, : self.length], v[:, :, : self.length]) for k, v in self.layers]
+    A request owns one slot (batch row) for its life; its entries fill columns [0, length). Columns
+    past a request's length are scratch: catch-up padding and a step's tree KV land there, so a
+    batch whose requests hold consecutive slots runs on a view of the store with no copy at all.
+    """
 
-    def append(self, new: list[tuple[torch.Tensor, torch.Tensor]], row: int, count: int) -> None:
-        """Append count entries of batch row `row` of `new` (per layer [B, H_kv, n, D])."""
-        end = self.length + count
-        for i, (k, v) in enumerate(new):
-            if i == len(self.layers):
-                shape = (1, k.shape[1], max(64, 2 * end), k.shape[3])
-                self.layers.append([k.new_empty(shape), v.new_empty(shape)])
-            buf = self.layers[i]
-            if buf[0].shape[2] < end:
-                grow = max(2 * buf[0].shape[2], end)
-                for j in range(2):
-                    bigger = buf[j].new_empty(1, buf[j].shape[1], grow, buf[j].shape[3])
-                    bigger[:, :, : self.length] = buf[j][:, :, : self.length]
-                    buf[j] = bigger
-            buf[0][:, :, self.length: end] = k[row: row + 1, :, :count]
-            buf[1][:, :, self.length: end] = v[row: row + 1, :, :count]
-        self.length = end
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.shape = (kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.layers: list[list[torch.Tensor]] = [[self._empty(0, 0), self._empty(0, 0)] for _ in range(layers)]
+        self.free: list[int] = []
+        self.num_slots = 0
+
+    def _empty(self, slots: int, cols: int) -> torch.Tensor:
+        return torch.zeros(slots, self.shape[0], cols, self.shape[1], dtype=self.dtype, device=self.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0][0].shape[2]
+
+    def acquire(self) -> int:
+        if self.free:
+            return self.free.pop()
+        self.num_slots += 1
+        return self.num_slots - 1
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+        self.free.sort(reverse=True)  # lowest slot first: active requests stay packed at the front
+
+    def reserve(self, cols: int) -> None:
+        """Make room for num_slots rows and `cols` columns (doubling; existing content kept)."""
+        rows, cap = self.layers[0][0].shape[0], self.capacity
+        if rows >= self.num_slots and cap >= cols:
+            return
+        rows, cap = max(rows, self.num_slots), max(cap, cols) if cap >= cols else max(2 * cap, cols, 64)
+        for layer in self.layers:
+            for j, old in enumerate(layer):
+                new = self._empty(rows, cap)
+                new[: old.shape[0], :, : old.shape[2]] = old
+                layer[j] = new
+
+    def batch(self, slots: list[int], cols: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
+        """Per layer KV [B, H_kv, >= cols, D] of these slots in this order: a view if they are consecutive
+        (writes go to the store), else a copy (write back with `write_back`)."""
+        self.reserve(cols)
+        s0 = slots[0]
+        if slots == list(range(s0, s0 + len(slots))):
+            return [(k[s0: s0 + len(slots)], v[s0: s0 + len(slots)]) for k, v in self.layers], True
+        idx = torch.tensor(slots, device=self.device)
+        return [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.layers], False
+
+    def write_back(self, cache, slots: list[int], spans: list[tuple[int, int]]) -> None:
+        """Copy columns [a, b) of batch row i back to slot slots[i] (after a forward on a copy)."""
+        for (k, v), layer in zip(cache, self.layers):
+            for i, (slot, (a, b)) in enumerate(zip(slots, spans)):
+                layer[0][slot, :, a:b] = k[i, :, a:b]
+                layer[1][slot, :, a:b] = v[i, :, a:b]
+
+
+class _Features:
+    """One request's target features not yet fed to the head: [capacity, F] by position, plus flags."""
+
+    def __init__(self, size: int, dtype: torch.dtype, device: torch.device):
+        self.buf = torch.zeros(0, size, dtype=dtype, device=device)
+        self.have = torch.zeros(0, dtype=torch.bool)
+
+    def put(self, pos: torch.Tensor, feats: torch.Tensor) -> None:
+        end = int(pos.max()) + 1
+        if end > self.buf.shape[0]:
+            cap = max(2 * self.buf.shape[0], end, 64)
+            buf = self.buf.new_zeros(cap, self.buf.shape[1])
+            buf[: self.buf.shape[0]] = self.buf
+            have = torch.zeros(cap, dtype=torch.bool)
+            have[: self.have.shape[0]] = self.have
+            self.buf, self.have = buf, have
+        self.buf[pos.to(self.buf.device)] = feats
+        self.have[pos.cpu()] = True
+
+    def take(self, first: int, count: int) -> torch.Tensor:
+        """Features at positions first .. first + count - 1 [count, F]; drops them and everything before."""
+        end = first + count
+        if end > self.have.shape[0] or not bool(self.have[first:end].all()):
+            have = self.have[first:end] if first < self.have.shape[0] else torch.zeros(0, dtype=torch.bool)
+            missing = [first + j for j in range(count) if j >= have.shape[0] or not have[j]]
+            raise DrafterError(
+                f"EAGLE drafter: no target hidden states for positions {missing[:4]} (the target did not "
+                f"compute them, e.g. prefix-cached blocks); serve the EAGLE tree drafters without prefix caching")
+        out = self.buf[first:end]
+        self.have[:end] = False  # consumed (or stale)
+        return out
 
 
 @dataclass
 class _RequestState:
-    entry_tokens: list[int] = field(default_factory=list)  # entry t's token x_{t+1}, t < kv.length
-    kv: _KVBuffer = field(default_factory=_KVBuffer)
+    slot: int
+    features: _Features
+    length: int = 0  # committed entries in the head's KV (columns [0, length) of its slot)
+    entry_tokens: list[int] = field(default_factory=list)  # entry t's token x_{t+1}, t < length
     root_logits: torch.Tensor | None = None  # [V_draft] output of the last entry (q at the root row)
     root_feature: torch.Tensor | None = None  # [H] its pre-norm output (g' for depth-1 nodes)
-    aux: dict[int, torch.Tensor] = field(default_factory=dict)  # position -> [num_aux * H_t] not yet fed
     generator: torch.Generator | None = None
 
 
-@dataclass
-class _Node:
-    slot: int  # tree column holding the node's KV
-    ancestors: list[int]  # tree columns of its proper ancestors
-    feature: torch.Tensor  # [H] the node's pre-norm output: g' for its children
+class _TreeSession(LevelSession):
+    """The head's session: every level of every request in one forward, tree KV after the committed KV.
 
-
-def _stack(states: list[_RequestState]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-    """Committed KV of several requests as one right-padded batch per layer [B, H_kv, L_max, D]."""
-    if len(states) == 1:
-        return states[0].kv.view() if states[0].kv.length else None
-    l_max = max(s.kv.length for s in states)
-    if l_max == 0:
-        return None
-    ref = next(s for s in states if s.kv.length).kv.layers
-    out = []
-    for i in range(len(ref)):
-        k = ref[i][0].new_zeros(len(states), ref[i][0].shape[1], l_max, ref[i][0].shape[3])
-        v = torch.zeros_like(k)
-        for b, s in enumerate(states):
-            if s.kv.length:
-                k[b, :, : s.kv.length] = s.kv.layers[i][0][0, :, : s.kv.length]
-                v[b, :, : s.kv.length] = s.kv.layers[i][1][0, :, : s.kv.length]
-        out.append((k, v))
-    return out
-
-
-class _TreeSession:
-    """The `build.DraftFn` for one builder call: q at tree rows, one head forward per call."""
+    Tree node s of this step (in creation order) lives in column L_max + s of its request's batch row,
+    with its ancestor set as a boolean row over tree columns (`anc`) and its g' (`feats`).
+    """
 
     def __init__(self, drafter: "Eagle3TreeDrafter", states: list[_RequestState], temperatures: list[float],
                  uniform_floor: float = 0.0):
+        super().__init__(states, temperatures, uniform_floor)
         self.drafter = drafter
-        self.states = states
-        self.temperatures = temperatures
-        self.uniform_floor = uniform_floor
-        self.lengths = [s.kv.length for s in states]
-        self.l_max = max(self.lengths)
-        self.past = _stack(states)  # committed, per layer [B, H_kv, L_max, D]
-        self.tree_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # per layer [B, H_kv, S, D]
-        self.nodes: list[dict[tuple[int, ...], _Node]] = [{} for _ in states]
+        device = drafter.device
+        self.lengths = torch.tensor([s.length for s in states], device=device)  # [B]
+        self.l_max = int(self.lengths.max())
+        self.slots = [s.slot for s in states]
+        self.cap = TREE_RESERVE
+        self.cache, self.is_view = drafter.store.batch(self.slots, self.l_max + self.cap)
+        batch = len(states)
+        self.anc = torch.zeros(batch, self.cap, self.cap, dtype=torch.bool, device=device)  # [B, S, S]
+        self.feats = torch.zeros(batch, self.cap, drafter.head.cfg.hidden, dtype=drafter.dtype, device=device)
+        self.root_feats = torch.stack([s.root_feature for s in states])  # [B, H]
+        self.nodes: list[dict[tuple[int, ...], int]] = [{} for _ in states]  # path -> tree slot
         self.num_slots = 0
 
     def close(self) -> None:
-        self.past = self.tree_kv = None
+        self.cache = self.anc = self.feats = None
 
-    def _q(self, draft_logits: torch.Tensor, b: int) -> torch.Tensor:
-        logits = self.drafter.head.target_logits(draft_logits.float())  # [V]
-        q = torch.softmax(logits / self.temperatures[b], dim=-1)
-        if self.uniform_floor:
-            # as in draft_model: every token stays drawable without replacement; this mixture is the q returned
-            q = (1 - self.uniform_floor) * q + self.uniform_floor / q.shape[-1]
-        return q
+    def _grow(self, slots: int) -> None:
+        """Room for `slots` tree columns (rare: a tree wider than TREE_RESERVE)."""
+        cap = max(2 * self.cap, slots)
+        cols = self.l_max + cap
+        if self.is_view:
+            self.cache, _ = self.drafter.store.batch(self.slots, cols)
+        else:
+            self.cache = [tuple(torch.cat([t, t.new_zeros(*t.shape[:2], cols - t.shape[2], t.shape[3])], 2)
+                                for t in kv) for kv in self.cache]
+        anc = self.anc.new_zeros(len(self.states), cap, cap)
+        anc[:, : self.cap, : self.cap] = self.anc
+        feats = self.feats.new_zeros(len(self.states), cap, self.feats.shape[-1])
+        feats[:, : self.cap] = self.feats
+        self.anc, self.feats, self.cap = anc, feats, cap
 
-    def __call__(self, queries: Sequence[build.DraftQuery]) -> torch.Tensor:
-        out: list[torch.Tensor | None] = [None] * len(queries)
-        per_req: list[list[tuple[int, tuple[int, ...]]]] = [[] for _ in self.states]
-        for qi, query in enumerate(queries):
-            if query.path:
-                per_req[query.request].append((qi, query.path))
-            else:
-                out[qi] = self._q(self.states[query.request].root_logits, query.request)
-        if any(per_req):
-            self._level(per_req, out)
-        return torch.stack(out)  # [len(queries), V]
-
-    def _level(self, per_req, out) -> None:
+    def _level(self, per_req) -> torch.Tensor:
         head, device = self.drafter.head, self.drafter.device
         batch, width = len(self.states), max(len(r) for r in per_req)
-        kv_len = self.l_max + self.num_slots + width
-        hidden = head.cfg.hidden
-        ids = torch.zeros(batch, width, dtype=torch.long)  # [B, n_max]
-        pos = torch.zeros(batch, width, dtype=torch.long)  # [B, n_max]
-        feats = torch.zeros(batch, width, hidden, dtype=self.drafter.dtype, device=device)  # [B, n_max, H]
-        allowed = torch.zeros(batch, width, kv_len, dtype=torch.bool)  # [B, n_max, L_max + S + n_max]
+        s0 = self.num_slots
+        if s0 + width > self.cap:
+            self._grow(s0 + width)
+        ids = [[0] * width for _ in range(batch)]
+        parent = [[-1] * width for _ in range(batch)]  # tree slot of the parent, -1: the root
+        depth = [[1] * width for _ in range(batch)]
         for b, rows in enumerate(per_req):
-            root_pos = self.lengths[b] - 1  # the last committed entry's position (n - 2)
-            for j in range(width):
-                col = self.l_max + self.num_slots + j
-                if j >= len(rows):  # padding query: attends to itself only, output unused
-                    pos[b, j] = max(root_pos, 0)
-                    allowed[b, j, col] = True
-                    continue
-                path = rows[j][1]
-                parent = self.nodes[b].get(path[:-1]) if len(path) > 1 else None
-                if len(path) > 1 and parent is None:
-                    raise DrafterError(f"tree row {path} was queried before its parent row {path[:-1]}; builders "
-                                       f"must expand a row only after its parent (one level per call)")
-                ancestors = [] if parent is None else parent.ancestors + [parent.slot]
-                ids[b, j] = path[-1]
-                pos[b, j] = root_pos + len(path)  # positions = root entry + depth
-                feats[b, j] = self.states[b].root_feature if parent is None else parent.feature
-                allowed[b, j, : self.lengths[b]] = True
-                allowed[b, j, [self.l_max + s for s in ancestors]] = True
-                allowed[b, j, col] = True
-                self.nodes[b][path] = _Node(self.num_slots + j, ancestors, None)  # feature set below
-        past = self.past
-        if self.tree_kv is not None:
-            past = [(torch.cat([p[0], t[0]], 2), torch.cat([p[1], t[1]], 2)) for p, t in zip(past, self.tree_kv)] \
-                if past is not None else self.tree_kv
-        if past is None:  # no committed KV at all (only possible for a request with a 1-token context)
-            allowed = allowed[:, :, self.l_max:]
+            nodes = self.nodes[b]
+            for j, (_, path) in enumerate(rows):
+                if len(path) > 1:
+                    p = nodes.get(path[:-1])
+                    if p is None:
+                        raise DrafterError(f"tree row {path} was queried before its parent row {path[:-1]}; "
+                                           f"builders must expand a row only after its parent (one level per call)")
+                    parent[b][j] = p
+                ids[b][j], depth[b][j] = path[-1], len(path)
+                nodes[path] = s0 + j
+        ids_t = self.drafter._target_ids[torch.tensor(ids, device=device)]  # [B, n] paths hold draft ids
+        par = torch.tensor(parent, device=device)  # [B, n]
+        pos = self.lengths[:, None] - 1 + torch.tensor(depth, device=device)  # root entry + depth  [B, n]
+        bi = torch.arange(batch, device=device)[:, None]
+        has_parent = par >= 0
+        pc = par.clamp(min=0)
+        g = torch.where(has_parent[..., None], self.feats[bi, pc], self.root_feats[:, None])  # [B, n, H]
+        own = s0 + torch.arange(width, device=device)  # [n] tree slots of this level
+        anc = self.anc[bi, pc] & has_parent[..., None]  # [B, n, S] the parent's ancestors and itself
+        anc[:, torch.arange(width, device=device), own] = True
+        self.anc[:, s0: s0 + width] = anc
+        committed = torch.arange(self.l_max, device=device) < self.lengths[:, None]  # [B, L_max]
+        mask = torch.cat([committed[:, None].expand(batch, width, self.l_max), anc[:, :, : s0 + width]], -1)
         with torch.no_grad():
-            logits, g_next, new = head(ids.to(device), feats, pos.to(device), past, allowed.to(device))
-        self.tree_kv = new if self.tree_kv is None else [
-            (torch.cat([t[0], n[0]], 2), torch.cat([t[1], n[1]], 2)) for t, n in zip(self.tree_kv, new)]
+            logits, g_next = head(ids_t, g, pos, mask, self.cache, (self.l_max + own).expand(batch, width))
+        self.feats[:, s0: s0 + width] = g_next
         self.num_slots += width
-        for b, rows in enumerate(per_req):
-            for j, (qi, path) in enumerate(rows):
-                self.nodes[b][path].feature = g_next[b, j]
-                out[qi] = self._q(logits[b, j], b)
+        return logits  # [B, n, V_draft]
 
 
 class Eagle3TreeDrafter(LevelTreeDrafter):
     """Tree drafts from an EAGLE-3 head fed by the target's auxiliary hidden states.
 
     Args:
-        head: the loaded head (`eagle3_head.load_head`), or None to load `path` in `load_model`.
+        head: the loaded head (`eagle3_head.load_head`; the EAGLE-1 subclass in `eagle.py` takes an
+            `eagle_head.EagleHead`), or None to load `path` in `load_model`.
         policy: the tree policy (anything `parse_policy` accepts).
         path: the head's checkpoint directory (when `head` is None).
         dtype, device: where the head runs.
@@ -216,6 +266,7 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
         return_draft_probs, validate_proposals: see `DraftModelTreeDrafter` / `TreeDrafter`.
     """
 
+    key = "eagle3"  # the config's drafter key
     reads_aux_hidden_states = True  # the runner turns on the target's aux outputs (integration/eagle3_aux.py)
 
     def __init__(self, head: Eagle3Head | None, policy: TreePolicy | Any, *, path: str | None = None,
@@ -238,6 +289,9 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
     def _set_head(self, head: Eagle3Head) -> None:
         self.head = head.to(self.device, self.dtype).eval()
         self.vocab_size = head.cfg.vocab
+        c = head.cfg
+        self.store = _KVStore(c.layers, c.kv_heads, c.head_dim, self.dtype, self.device)
+        self._target_ids = head.target_ids
 
     def load_model(self, target_model=None) -> None:
         """Load the head (sharing the target's input embedding if the head has none)."""
@@ -260,10 +314,11 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
     def _start(self, req_id: Hashable, prompt_token_ids: Sequence[int]) -> None:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(_request_seed(self.seed, req_id))
-        self._states[req_id] = _RequestState(generator=gen)
+        feats = _Features(self.head.feature_size, self.dtype, self.device)
+        self._states[req_id] = _RequestState(slot=self.store.acquire(), features=feats, generator=gen)
 
     def _finish(self, req_id: Hashable) -> None:
-        del self._states[req_id]
+        self.store.release(self._states.pop(req_id).slot)
 
     def cached_tokens(self, req_id: Hashable) -> list[int]:
         """Tokens x_1..x_L of the head's committed entries (for tests and debugging)."""
@@ -275,23 +330,21 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
                        aux_hidden_states: Sequence[torch.Tensor] | torch.Tensor | None = None) -> None:
         """Target rows committed this step, per request (flattened row indices into `positions` / aux).
 
-        aux_hidden_states: the target's auxiliary hidden states, a list of [T, H_t] (one per aux layer, as
-        vLLM's runner returns them) or one [T, num_aux * H_t] tensor.
+        aux_hidden_states: the target's features: for EAGLE-3 its auxiliary hidden states, a list of
+        [T, H_t] (one per aux layer, as vLLM's runner returns them) or one [T, num_aux * H_t] tensor;
+        for EAGLE-1 its last hidden state [T, H].
         """
         if aux_hidden_states is None:
-            raise DrafterError("drafter 'eagle3' got no auxiliary hidden states from the target; the runner must "
-                               "enable them (integration/eagle3_aux.py)")
+            raise DrafterError(f"drafter {self.key!r} got no hidden states from the target; the runner must "
+                               f"hand them over (integration/eagle3_aux.py)")
         aux = aux_hidden_states if isinstance(aux_hidden_states, torch.Tensor) else torch.cat(
-            list(aux_hidden_states), dim=-1)  # [T, num_aux * H_t]
+            list(aux_hidden_states), dim=-1)  # [T, F]
         for rid, r in zip(req_ids, rows):
             st = self._states.get(rid)
             if st is None or not len(r):
                 continue
             idx = torch.as_tensor(list(r), dtype=torch.long)
-            pos = positions[idx.to(positions.device)].tolist()
-            feats = aux[idx.to(aux.device)].to(self.device, self.dtype)
-            for p, f in zip(pos, feats):
-                st.aux[int(p)] = f
+            st.features.put(positions[idx.to(positions.device)], aux[idx.to(aux.device)].to(self.device, self.dtype))
 
     # -- committed entries ------------------------------------------------------
 
@@ -306,56 +359,49 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
             common = next((i for i, (a, b) in enumerate(zip(old, want)) if a != b), min(len(old), len(want)))
             if common == len(old) == len(want) and st.root_logits is not None:
                 continue
-            keep = min(common, len(want) - 1)  # re-feed at least the last entry: its output is q at the root
-            if keep < st.kv.length:
-                st.kv.length = keep
-                del st.entry_tokens[keep:]
             if not want:
-                raise DrafterError(f"request {req.req_id!r}: EAGLE-3 drafting needs >= 2 committed tokens")
+                raise DrafterError(f"request {req.req_id!r}: EAGLE drafting needs >= 2 committed tokens")
+            keep = min(common, len(want) - 1)  # re-feed at least the last entry: its output is q at the root
+            if keep < st.length:
+                st.length = keep
+                del st.entry_tokens[keep:]
             todo.append((st, keep, want[keep:]))
         if todo:
             self._feed(todo)
         return states
 
     def _feed(self, todo: list[tuple[_RequestState, int, list[int]]]) -> None:
+        """New entries of several requests: one forward, KV written into each request's slot."""
         head, device = self.head, self.device
-        batch = len(todo)
-        width = max(len(t) for _, _, t in todo)
-        group = [st for st, _, _ in todo]
-        lengths = [st.kv.length for st in group]
-        l_max = max(lengths)
+        batch, width = len(todo), max(len(t) for _, _, t in todo)
+        firsts = torch.tensor([first for _, first, _ in todo], device=device)  # [B]
+        counts = [len(t) for _, _, t in todo]
         ids = torch.zeros(batch, width, dtype=torch.long)
-        pos = torch.zeros(batch, width, dtype=torch.long)
-        aux = torch.zeros(batch, width, head.fc.in_features, dtype=self.dtype, device=device)
-        allowed = torch.zeros(batch, width, l_max + width, dtype=torch.bool)
+        feats = torch.zeros(batch, width, head.feature_size, dtype=self.dtype, device=device)
         for b, (st, first, toks) in enumerate(todo):
-            missing = [first + j for j in range(len(toks)) if first + j not in st.aux]
-            if missing:
-                raise DrafterError(
-                    f"EAGLE-3 drafter: no target hidden states for positions {missing[:4]} (the target did not "
-                    f"compute them, e.g. prefix-cached blocks); serve drafter 'eagle3' without prefix caching")
-            m = len(toks)
-            ids[b, :m] = torch.tensor(toks)
-            pos[b, :m] = torch.arange(first, first + m)
-            aux[b, :m] = torch.stack([st.aux[first + j] for j in range(m)])
-            allowed[b, :m, : lengths[b]] = True
-            causal = torch.tril(torch.ones(m, m, dtype=torch.bool))
-            allowed[b, :m, l_max: l_max + m] = causal
-            for j in range(m, width):  # padding rows see themselves only
-                allowed[b, j, l_max + j] = True
-        past = _stack(group)
-        if past is None:
-            allowed = allowed[:, :, l_max:]
+            ids[b, : counts[b]] = torch.tensor(toks)
+            feats[b, : counts[b]] = st.features.take(first, counts[b])
+        cols = firsts[:, None] + torch.arange(width, device=device)  # [B, n] padding rows write scratch
+        n_cols = int(cols.max()) + 1
+        mask = torch.arange(n_cols, device=device) <= cols[..., None]  # [B, n, L] own prefix, causal
+        slots = [st.slot for st, _, _ in todo]
+        cache, is_view = self.store.batch(slots, n_cols)
+        last = torch.tensor(counts, device=device) - 1  # [B]
         with torch.no_grad():
-            logits, g_next, new = head(ids.to(device), head.combine(aux), pos.to(device), past,
-                                       allowed.to(device))
+            logits, g_next = head(ids.to(device), head.combine(feats), cols, mask, cache, cols, rows=last)
+        if not is_view:
+            self.store.write_back(cache, slots, [(first, first + c) for (_, first, _), c in zip(todo, counts)])
         for b, (st, first, toks) in enumerate(todo):
-            m = len(toks)
-            st.kv.append(new, b, m)
+            st.length = first + counts[b]
             st.entry_tokens.extend(toks)
-            st.root_logits, st.root_feature = logits[b, m - 1], g_next[b, m - 1]
-            for p in [p for p in st.aux if p < first + m]:  # consumed (or stale) features
-                del st.aux[p]
+            st.root_logits, st.root_feature = logits[b], g_next[b]
 
     def _session(self, states: list[_RequestState], temps: list[float], floor: float) -> _TreeSession:
         return _TreeSession(self, states, temps, floor)
+
+    def _to_target(self, dt: build.DraftTree) -> build.DraftTree:
+        """Draft ids -> target ids (d2t); q rows scattered onto the target vocabulary (0 outside the draft's)."""
+        ids = self._target_ids
+        tree = dt.tree.with_tokens(ids[dt.tree.tokens.to(ids.device)].cpu())
+        q = None if dt.q is None else to_target_vocab(dt.q, ids.to(dt.q.device), self.vocab_size, 0.0)
+        return build.DraftTree(tree=tree, scores=dt.scores, sampling=dt.sampling, q=q)

@@ -41,7 +41,7 @@ from torch import nn
 
 from vllm_tree_spec.drafters.base import DrafterError
 
-KV = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, H_kv, L, D]
+KV = tuple[torch.Tensor, torch.Tensor]  # keys, values [B, H_kv, C, D]
 
 
 @dataclass(frozen=True)
@@ -139,20 +139,30 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(in_size, cfg.kv_heads * cfg.head_dim, bias=b)
         self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
 
-    def forward(self, x, positions, rope, past: KV | None, mask):
-        """x [B, n, in], positions [B, n], past keys/values [B, Hkv, Lp, D], mask [B, n, Lp + n] bool."""
+    def forward(self, x, positions, rope, mask, cache: KV | None, cols):
+        """x [B, n, in], positions [B, n], mask [B, n, L] bool over the attended columns.
+
+        cache: keys/values [B, Hkv, C, D]; the rows' own keys/values are written in place at columns
+        cols [B, n] and attention runs over columns [0, L). None: the rows attend to each other (L = n).
+        """
         c = self.cfg
         bsz, n, _ = x.shape
         q, k = self.q_proj(x), self.k_proj(x)  # [B, n, H*D], [B, n, Hkv*D]
         q, k = rope.forward_native(positions.reshape(-1), q.reshape(bsz * n, -1), k.reshape(bsz * n, -1))
         q = q.view(bsz, n, c.heads, c.head_dim).transpose(1, 2)  # [B, H, n, D]
-        k = k.view(bsz, n, c.kv_heads, c.head_dim).transpose(1, 2)  # [B, Hkv, n, D]
-        v = self.v_proj(x).view(bsz, n, c.kv_heads, c.head_dim).transpose(1, 2)
-        new = (k, v)
-        if past is not None:
-            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)  # [B, Hkv, Lp + n, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=c.heads != c.kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, n, -1)), new
+        k = k.view(bsz, n, c.kv_heads, c.head_dim)  # [B, n, Hkv, D]
+        v = self.v_proj(x).view(bsz, n, c.kv_heads, c.head_dim)
+        if cache is None:
+            keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, n, D]
+        else:
+            b = torch.arange(bsz, device=x.device)[:, None]
+            cache[0][b, :, cols] = k  # advanced indices first: [B, n, Hkv, D]
+            cache[1][b, :, cols] = v
+            cols_l = mask.shape[-1]
+            keys, values = cache[0][:, :, :cols_l], cache[1][:, :, :cols_l]  # [B, Hkv, L, D]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
+                                             enable_gqa=c.heads != c.kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, n, -1))
 
 
 class _MLP(nn.Module):
@@ -178,7 +188,7 @@ class _Layer(nn.Module):
         if index == 0:
             self.hidden_norm = RMSNorm(cfg.hidden, cfg.eps)
 
-    def forward(self, embeds, h, residual, positions, rope, past, mask):
+    def forward(self, embeds, h, residual, positions, rope, mask, cache, cols):
         if self.index == 0:  # vLLM's llama_eagle3.LlamaDecoderLayer.forward, layer 0
             embeds = self.input_layernorm(embeds)
             if self.norm_before_residual:
@@ -190,9 +200,9 @@ class _Layer(nn.Module):
             h = torch.cat([embeds, h], dim=-1)  # [B, n, 2H]
         else:
             h, residual = self.input_layernorm(h, residual)
-        h, new = self.self_attn(h, positions, rope, past, mask)
+        h = self.self_attn(h, positions, rope, mask, cache, cols)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual, new
+        return self.mlp(h), residual
 
 
 class Eagle3Head(nn.Module):
@@ -219,6 +229,11 @@ class Eagle3Head(nn.Module):
         self.rope = _rope(cfg, dtype)
         self.to(dtype)
 
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features `combine` takes (the aux layers concatenated)."""
+        return self.cfg.num_aux * self.cfg.target_hidden
+
     def combine(self, aux: torch.Tensor) -> torch.Tensor:
         """Target features: aux [..., num_aux * H_target] (layers concatenated) -> g [..., H]."""
         if self.input_norm is not None:
@@ -227,33 +242,44 @@ class Eagle3Head(nn.Module):
             aux = torch.cat([n(a) for n, a in zip(self.fc_norm, aux.chunk(self.cfg.num_aux, dim=-1))], dim=-1)
         return self.fc(aux)
 
-    def forward(self, tokens, g, positions, past: list[KV] | None, mask):
-        """tokens [B, n], g [B, n, H], positions [B, n], past: per layer KV [B, Hkv, Lp, D] (or None),
-        mask [B, n, Lp + n] bool.
+    def forward(self, tokens, g, positions, mask, cache: list[KV] | None = None, cols=None, rows=None):
+        """tokens [B, n], g [B, n, H], positions [B, n], mask [B, n, L] bool.
 
-        Returns (draft logits [B, n, V_draft], next feature g' [B, n, H], new KV per layer [B, Hkv, n, D]).
+        cache / cols: per layer KV [B, Hkv, C, D] written in place at columns cols [B, n] (see
+        `_Attention.forward`); None: the rows attend to each other under `mask` [B, n, n].
+        rows: [B] the one row per batch entry whose outputs are wanted (None: all rows); the LM head
+        runs on those rows only.
+
+        Returns (draft logits [B, n, V_draft], next feature g' [B, n, H]), or [B, V_draft], [B, H] with rows.
         """
         embeds = self.embed_tokens(tokens)  # [B, n, H]
-        h, residual, new = g, None, []
+        h, residual = g, None
         for i, layer in enumerate(self.layers):
-            h, residual, kv = layer(embeds, h, residual, positions, self.rope, None if past is None else past[i],
-                                    mask)
-            new.append(kv)
+            h, residual = layer(embeds, h, residual, positions, self.rope, mask,
+                                None if cache is None else cache[i], cols)
+        if rows is not None:
+            b = torch.arange(h.shape[0], device=h.device)
+            h, residual = h[b, rows], residual[b, rows]  # [B, H]
         normed, prenorm = self.norm(h, residual)
-        return self.lm_head(normed), (normed if self.cfg.norm_output else prenorm), new
+        return self.lm_head(normed), (normed if self.cfg.norm_output else prenorm)
 
     def target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """[..., V_draft] -> [..., V] over the target vocabulary (-inf outside the draft vocabulary)."""
-        if self.cfg.draft_vocab == self.cfg.vocab:
-            return draft_logits
-        out = draft_logits.new_full((*draft_logits.shape[:-1], self.cfg.vocab), float("-inf"))
-        out[..., self.target_ids] = draft_logits
-        return out
+        return to_target_vocab(draft_logits, self.target_ids, self.cfg.vocab, float("-inf"))
 
     @property
     def target_ids(self) -> torch.Tensor:
         """[V_draft] the target id of each draft id."""
         return torch.arange(self.cfg.draft_vocab, device=self.d2t.device) + self.d2t
+
+
+def to_target_vocab(x: torch.Tensor, target_ids: torch.Tensor, vocab: int, fill: float) -> torch.Tensor:
+    """[..., V_draft] rows over the draft vocabulary -> [..., V] over the target's (`fill` elsewhere)."""
+    if x.shape[-1] == vocab:
+        return x
+    out = x.new_full((*x.shape[:-1], vocab), fill)
+    out[..., target_ids] = x
+    return out
 
 
 # ---------------------------------------------------------------------------
@@ -296,6 +322,16 @@ def hf_name(name: str) -> str | None:
     return name.replace("midlayer.", "layers.0.")
 
 
+def shared_weight(w: torch.Tensor, cfg: Eagle3Config, who: str, what: str) -> torch.Tensor:
+    """The target's [V, H] embedding / LM head for the head: vLLM pads vocabularies to a multiple of 64
+    (the rows past V are padding and dropped); fewer rows is a tensor-parallel shard (refused)."""
+    if w.dim() != 2 or w.shape[1] != cfg.hidden or w.shape[0] < cfg.vocab:
+        raise DrafterError(f"{who} shares the target's {what}, but it has shape {tuple(w.shape)}, not "
+                           f"[vocab {cfg.vocab}, hidden {cfg.hidden}] (a tensor-parallel shard?); run the EAGLE "
+                           f"tree drafters with TP = 1")
+    return w.detach()[: cfg.vocab].to("cpu")
+
+
 def load_head(path: str | Path, *, target_embedding: torch.Tensor | None = None, dtype=torch.float32,
               device="cpu") -> Eagle3Head:
     """Build the head from a checkpoint directory; `target_embedding` [V, H] fills a missing embed_tokens."""
@@ -310,11 +346,7 @@ def load_head(path: str | Path, *, target_embedding: torch.Tensor | None = None,
     if "embed_tokens.weight" not in state:
         if target_embedding is None:
             raise DrafterError(f"EAGLE-3 head {path} has no embed_tokens and no target embedding was given")
-        if tuple(target_embedding.shape) != (cfg.vocab, cfg.hidden):
-            raise DrafterError(f"EAGLE-3 head {path} shares the target's embedding, but it has shape "
-                               f"{tuple(target_embedding.shape)}, not [vocab {cfg.vocab}, hidden {cfg.hidden}] "
-                               f"(a tensor-parallel shard?); run the eagle3 tree drafter with TP = 1")
-        state["embed_tokens.weight"] = target_embedding.detach().to("cpu")
+        state["embed_tokens.weight"] = shared_weight(target_embedding, cfg, f"EAGLE-3 head {path}", "embedding")
     if "d2t" not in state and cfg.draft_vocab != cfg.vocab:
         raise DrafterError(f"EAGLE-3 head {path}: draft_vocab_size {cfg.draft_vocab} != vocab_size {cfg.vocab} "
                            f"but the checkpoint has no d2t map")

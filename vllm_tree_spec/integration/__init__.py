@@ -54,6 +54,9 @@
         runners whose drafter reads the target's features (drafter 'eagle3'), after load_model.
         Why: method 'tree' reaches vLLM as 'custom_class', for which vLLM never turns aux outputs on.
         Removal: an aux-hidden-states flag for custom_class proposers upstream.
+        P7b: drafter 'eagle' (EAGLE-1) taps no aux layers; runner.py reads propose_draft_token_ids' 4th
+        argument (the target's output hidden states) and hands it over. Removal: hidden states in the
+        custom_class proposer interface.
 
     G   (vllm_guard.py) reads, changes nothing: at start-up of a tree engine, refuses an untested vLLM
         version (VLLM_TREE_SPEC_ALLOW_UNTESTED_VLLM=1: a warning) and any overridden method (P2-P4, D2-D3,

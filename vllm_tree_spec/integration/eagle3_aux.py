@@ -15,6 +15,11 @@ P7  runner.use_aux_hidden_state_outputs = True and model.set_aux_hidden_state_la
     What: exactly what `_setup_eagle3_aux_hidden_state_outputs` does for method 'eagle3', with the same
           layer choice (the head's config, else the model's default).
     Removal: a proposer-side flag in vLLM's custom_class route ("needs aux hidden states: layers ...").
+P7b drafter 'eagle' (EAGLE-1) reads the target's output hidden states instead: no aux layers are tapped;
+    the tree runner hands `propose_draft_token_ids`' 4th argument (hidden_states, [T, H], the rows
+    vLLM's own EAGLE proposer reads) to `observe_target` with the committed rows.
+    Why: vLLM passes it only to its own proposers. What: a read of the argument, nothing changed.
+    Removal: hidden states in the custom_class proposer interface.
 """
 
 from __future__ import annotations

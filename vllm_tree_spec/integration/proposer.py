@@ -52,26 +52,27 @@ def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
         return MTPTreeDrafter(policy, model_dir=mc.model, hf_config=mc.hf_config,
                               dtype=getattr(mc, "dtype", torch.bfloat16),
                               max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
-    if cfg.drafter == "eagle3":
+    if cfg.drafter in ("eagle3", "eagle"):
         import torch
 
+        from vllm_tree_spec.drafters.eagle import EagleTreeDrafter
         from vllm_tree_spec.drafters.eagle3 import Eagle3TreeDrafter
 
         cache = getattr(vllm_config, "cache_config", None)
         if getattr(cache, "enable_prefix_caching", False):
             # The head needs the target's features at every committed position; prefix-cached blocks
             # are never recomputed, so their features never exist.
-            raise ValueError("drafter 'eagle3' does not support prefix caching yet: start the engine with "
+            raise ValueError(f"drafter {cfg.drafter!r} does not support prefix caching yet: start the engine with "
                              "enable_prefix_caching=False (vllm serve: --no-enable-prefix-caching)")
         dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", torch.float32)
         device = getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu"
-        return Eagle3TreeDrafter(None, _model_policy(cfg), path=cfg.model, dtype=dtype, device=device,
-                                 seed=cfg.seed or 0)
+        cls = Eagle3TreeDrafter if cfg.drafter == "eagle3" else EagleTreeDrafter
+        return cls(None, _model_policy(cfg), path=cfg.model, dtype=dtype, device=device, seed=cfg.seed or 0)
     raise NotImplementedError(f"drafter {cfg.drafter!r} is not available in this build of vllm-tree-spec")
 
 
 def _model_policy(cfg: TreeSpecConfig):
-    """The tree policy of a model drafter (draft_model, eagle3) from the config."""
+    """The tree policy of a model drafter (draft_model, eagle3, eagle) from the config."""
     from vllm_tree_spec.drafters.policy import DynamicPolicy, SampledPolicy, StaticPolicy
 
     layout = cfg.layout()
@@ -135,12 +136,15 @@ class TreeProposer:
             return self.shape_policy.propose(self.drafter, requests, budgets)
         return self.drafter.propose(requests, budgets)
 
-    def observe_target(self, req_ids, rows, positions, aux_hidden_states=None) -> None:
-        """The target rows each request committed this step (drafters that read the target's hidden states)."""
+    def observe_target(self, req_ids, rows, positions, aux_hidden_states=None, hidden_states=None) -> None:
+        """The target rows each request committed this step (drafters that read the target's hidden states:
+        EAGLE-3 its auxiliary layers, EAGLE-1 its output hidden states)."""
         observe = getattr(self.drafter, "observe_target", None)
         if observe is None:
             return
-        if getattr(self.drafter, "reads_aux_hidden_states", False):
+        if getattr(self.drafter, "reads_hidden_states", False):
+            observe(req_ids, rows, positions, hidden_states)
+        elif getattr(self.drafter, "reads_aux_hidden_states", False):
             observe(req_ids, rows, positions, aux_hidden_states)
         else:
             observe(req_ids, rows, positions)

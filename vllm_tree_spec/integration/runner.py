@@ -144,7 +144,8 @@ class TreeRunnerMixin:
             rows = [self._tree_committed.get(rid) if rid in self._tree_committed
                     else list(range(int(qsl[i]), int(qsl[i + 1]))) for i, rid in enumerate(req_ids)]
             aux = args[3] if len(args) > 3 else kwargs.get("aux_hidden_states")  # vLLM's 6th argument
-            observe(req_ids, rows, self.positions, aux)
+            hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")  # 4th: the target's output (EAGLE-1)
+            observe(req_ids, rows, self.positions, aux, hidden_states=hidden)
         # Partial prefills are not proposed for: part of their context is not computed yet (an EAGLE-3
         # head would look for target features the next chunk computes); vLLM drops their drafts anyway.
         ready = [i for i in range(len(req_ids)) if i < len(sampled_token_ids) and len(sampled_token_ids[i])]
