@@ -39,8 +39,10 @@ def setup(tiny_models):
 
 
 STATIC = "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"
-TREES = {"static": {"tree": STATIC}, "dynamic": {"tree": "s3_k2_d6"},
-         "sampled": {"tree": STATIC, "draft_sampling": "sample"}}  # greedy requests fill the shape by rank
+# A static budget table: every round drafts the full shape (the default online policy would explore chains).
+FULL = {"budgets": {"64": 5}}
+TREES = {"static": {"tree": STATIC, **FULL}, "dynamic": {"tree": "s3_k2_d6", **FULL},
+         "sampled": {"tree": STATIC, "draft_sampling": "sample", **FULL}}  # greedy requests fill the shape by rank
 
 
 @pytest.mark.vllm
@@ -127,7 +129,7 @@ def test_copy_head_accepts_every_node(tiny_models):
     params = SamplingParams(temperature=0, max_tokens=31, ignore_eos=True)
     base = run_engine(target, prompts, params, **NO_PREFIX_CACHE)
     run = run_engine(target, prompts, params, {"method": "tree", "drafter": "eagle", "model": head,
-                                               "tree": "chain:4"}, **NO_PREFIX_CACHE)
+                                               "tree": "chain:4", "budgets": {"64": 4}}, **NO_PREFIX_CACHE)
     assert run.outputs == base.outputs
     s = run.tree_stats
     assert s["rounds"] == 6 * len(raw) and s["accepted"] == 4 * s["rounds"], s
