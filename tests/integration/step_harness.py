@@ -65,7 +65,7 @@ def make_step(batch_size: int, nodes: int, *, seed: int = 0, vocab: int = 512, m
     r = FakeRunner()
     r.tree_cfg = SimpleNamespace(verification_for=lambda mode: mode)
     r.tree_adapter = StandardAttentionAdapter()
-    r.drafter = SimpleNamespace()
+    r.drafter = SimpleNamespace(observes_target=False)  # a proposer whose drafter reads no target rows
     r.tree_stats = TreeStats(max_depth=nodes)
     r._tree_step, r._tree_committed, r._tree_drafts = TreeStep([]), {}, {}
     req_ids = [f"r{b}" for b in range(batch_size)]

@@ -136,6 +136,12 @@ class TreeProposer:
             return self.shape_policy.propose(self.drafter, requests, budgets)
         return self.drafter.propose(requests, budgets)
 
+    @property
+    def observes_target(self) -> bool:
+        """Whether the drafter reads the target's rows (EAGLE-3, EAGLE-1, MTP): only then does the runner
+        collect them."""
+        return hasattr(self.drafter, "observe_target")
+
     def observe_target(self, req_ids, rows, positions, aux_hidden_states=None, hidden_states=None) -> None:
         """The target rows each request committed this step (drafters that read the target's hidden states:
         EAGLE-3 its auxiliary layers, EAGLE-1 its output hidden states)."""

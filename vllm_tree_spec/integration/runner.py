@@ -138,7 +138,7 @@ class TreeRunnerMixin:
                     logger.info("tree speculation off for request %s: %s", rid, reason)
             requests.append(self.drafter.make_request(rid, self.input_batch.token_ids_cpu[i, :n_tok], state))
             budgets.append(max(0, nodes))
-        observe = getattr(self.drafter, "observe_target", None)
+        observe = self.drafter.observe_target if self.drafter.observes_target else None
         if observe is not None:  # drafters fed by the target's hidden states (DeepSeek-V4 MTP, EAGLE-3)
             qsl = self.query_start_loc.np
             rows = [self._tree_committed.get(rid) if rid in self._tree_committed
@@ -292,7 +292,7 @@ class TreeRunnerMixin:
             reqs = [by_index[b] for b in tree_idx]
             acc, num = host.accepted_nodes.tolist(), host.num_accepted.tolist()  # host copies: no sync
             paths = [a[:k] for a, k in zip(acc, num)]
-            if getattr(self.drafter, "observe_target", None) is not None:  # rows its next call reads
+            if self.drafter.observes_target:  # rows its next call reads
                 self._tree_committed = {r.req_id: [r.root_row] + [r.root_row + 1 + n for n in p]
                                         for r, p in zip(reqs, paths)}
             if getattr(self.tree_adapter, "device_commit", False):  # on the device, from the verifier's tensors
