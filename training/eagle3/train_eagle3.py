@@ -124,6 +124,23 @@ def default_aux_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]  # vLLM's get_eagle3_default_aux_hidden_state_layers
 
 
+def resume_point(out_dir: Path) -> int:
+    """Number of leading shards that load cleanly; a shard cut short by a kill is dropped and rewritten."""
+    import torch
+
+    n = 0
+    while (out_dir / f"shard{n:04d}.pt").exists():
+        try:
+            torch.load(out_dir / f"shard{n:04d}.pt", weights_only=True)
+        except Exception:
+            break
+        n += 1
+    for f in out_dir.glob("shard*.pt"):
+        if int(f.stem[5:]) >= n:
+            f.unlink()
+    return n
+
+
 def extract(model_dir: str, samples_file: Path, aux_layers: list[int], out_dir: Path, shard: int = 64) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -134,9 +151,12 @@ def extract(model_dir: str, samples_file: Path, aux_layers: list[int], out_dir: 
              for k in aux_layers]
     hooks.append(target.model.norm.register_forward_pre_hook(lambda m, a: taps.__setitem__("last", a[0])))
     out_dir.mkdir(parents=True, exist_ok=True)
-    buf, n_shard, n_tok, t0 = [], 0, 0, time.perf_counter()
+    n_shard = resumed = resume_point(out_dir)  # full shards already on disk are kept: a killed run picks up where it stopped
+    buf, n_tok, t0 = [], 0, time.perf_counter()
     with torch.no_grad():
-        for line in open(samples_file):
+        for i, line in enumerate(open(samples_file)):
+            if i < n_shard * shard:
+                continue
             s = json.loads(line)
             ids = s["prompt_ids"] + s["response_ids"]
             target.model(torch.tensor([ids]))
@@ -155,7 +175,8 @@ def extract(model_dir: str, samples_file: Path, aux_layers: list[int], out_dir: 
     for h in hooks:
         h.remove()
     dt = time.perf_counter() - t0
-    return dict(seconds=dt, tokens=n_tok, tok_s=n_tok / dt, aux_layers=aux_layers, dtype="float32 forward, bf16 stored")
+    return dict(seconds=dt, tokens=n_tok, tok_s=n_tok / dt, aux_layers=aux_layers, dtype="float32 forward, bf16 stored",
+                resumed_at_sample=resumed * shard)
 
 
 # -- 4. the head -----------------------------------------------------------------------------------
@@ -223,10 +244,13 @@ def train(args, model_dir: str, data_dir: Path, samples_file: Path, aux_layers: 
     rng = random.Random(args.seed)
     steps, tokens, t0, log = 0, 0, time.perf_counter(), []
     total = args.max_steps
+    # Linear decay to 5 % over the run; its length is estimated from the sample lengths (packing fills
+    # sequences to ~max_len), so the floor also covers an underestimate.
+    seq_tokens = sum(len(s["prompt_ids"]) + len(s["response_ids"]) for s in map(json.loads, open(samples_file)))
+    sched = total or args.epochs * -(-seq_tokens // args.max_len)
     for epoch in range(args.epochs):
         for batch in packed_batches(shards, args.max_len, rng):
-            lr = args.lr * min(1.0, (steps + 1) / args.warmup) if total is None else \
-                args.lr * min(1.0, (steps + 1) / args.warmup) * max(0.05, 1 - steps / total)
+            lr = args.lr * min(1.0, (steps + 1) / args.warmup) * max(0.05, 1 - steps / sched)
             for g in opt.param_groups:
                 g["lr"] = lr
             batch = {k: (v.float() if v.is_floating_point() else v) for k, v in batch.items()}
@@ -251,7 +275,7 @@ def train(args, model_dir: str, data_dir: Path, samples_file: Path, aux_layers: 
             break
     dt = time.perf_counter() - t0
     save_head(model, Path(args.out) / "head")
-    return dict(seconds=dt, steps=steps, tokens=tokens, train_tok_s=tokens / dt, log=log)
+    return dict(seconds=dt, steps=steps, scheduled_steps=sched, tokens=tokens, train_tok_s=tokens / dt, log=log)
 
 
 def save_head(model, out: Path) -> None:
@@ -288,7 +312,7 @@ def main() -> int:
     ap.add_argument("--ttt-decay", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--max-steps", type=int, default=None)
     ap.add_argument("--max-len", type=int, default=2048, help="tokens per packed training sequence")
     ap.add_argument("--log-every", type=int, default=10)
