@@ -97,7 +97,8 @@ for _p in (str(HERE), str(ROOT)):
 from serve_datasets import DATASETS, Prompt, build_pool, distribution, extract_code  # noqa: E402
 
 CONFIG_KINDS = ("off", "linear-suffix", "tree-suffix", "tree-suffix-fallback", "linear-suffix-wide", "tree-suffix-wide",
-                "tree-suffix-chain", "linear-ngram", "tree-ngram", "tree-ngram-fallback", "tree-ngram-chain", "linear-draft", "linear-draft-prob",
+                "tree-suffix-chain", "linear-ngram", "tree-ngram", "tree-ngram-fallback", "tree-ngram-chain",
+                "linear-draft", "linear-draft-prob",
                 "tree-draft-static", "tree-draft-dynamic", "tree-draft-sampled", "tree-draft-planned",
                 "linear-eagle3", "linear-eagle3-prob", "tree-eagle3-dynamic", "tree-eagle3-planned",
                 "tree-eagle3-sampled")
@@ -142,11 +143,11 @@ PRESETS: dict[str, dict] = {
                           no_enable_prefix_caching=True, profile_prompts=32, out="runs/serve/gpu-eagle3-t1"),
     # Issue 13's targets (docs/benchmarks.md, "Per-stage step profile"), 3 interleaved repeats, medians of the
     # per-repeat ratios in the report. Overhead parity: a chain-shaped tree vs vLLM's linear n-gram at the same
-    # budget, c = 1, 4, 16 (~20-25 min on 2 idle cores: 9 servers, 27 runs of 96 tokens).
+    # budget, c = 1, 4, 16 (estimated 20-25 min on 2 idle cores: 9 servers, 27 runs of 96 tokens).
     "cpu-parity": dict(configs="off,linear-ngram,tree-ngram-chain", budgets="6", concurrency="1,4,16",
                        num_prompts="6,12,32", max_tokens=96, warmup=1, repeats=3, out="runs/serve/cpu-parity"),
     # Never below linear: the default shape policy (budgets "auto") vs linear n-gram and suffix, c = 1..64
-    # (~25-30 min on 2 idle cores: 12 servers, 48 runs of 64 tokens; one prompt per slot, so c = 64 is one wave).
+    # (estimated 25-30 min on 2 idle cores: 12 servers, 48 runs of 64 tokens; one prompt per slot: c = 64 is one wave).
     # The policy re-plans every 256 steps of a server's life (its runs share one server per repeat).
     "cpu-policy": dict(configs="linear-ngram,tree-ngram,linear-suffix,tree-suffix", budgets="6",
                        concurrency="1,4,16,64", num_prompts="4,8,16,64", prompts_per_slot=1, max_tokens=64,

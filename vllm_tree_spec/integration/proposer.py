@@ -79,7 +79,8 @@ def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
 def chain_plan(cfg: TreeSpecConfig):
     """The rank-0 chain that proposals are pruned to: model-free drafters with `tree` "chain:K" (else None;
     model drafters draft the layout itself). Its length is the slot count: the budget sets the depth."""
-    if cfg.drafter not in ("suffix", "ngram") or not isinstance(cfg.tree, str) or not cfg.tree.strip().startswith("chain:"):
+    chain = isinstance(cfg.tree, str) and cfg.tree.strip().startswith("chain:")
+    if cfg.drafter not in ("suffix", "ngram") or not chain:
         return None
     from vllm_tree_spec.online_policy import Plan
     from vllm_tree_spec.tree import Tree
