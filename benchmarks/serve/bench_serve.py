@@ -509,6 +509,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--fallback-budgets", help='JSON {"batch size": nodes} for *-fallback configs '
                                                '(default {"4": D, "16": D//2, "64": 0})')
     ap.add_argument("--timeout", type=float, help="per-request timeout in seconds (600)")
+    ap.add_argument("--startup-timeout", type=float, help="seconds a server may take to answer /health (300; more on "
+                                                          "a loaded machine)")
     ap.add_argument("--no-exec", action="store_true", help="do not execute HumanEval completions")
     ap.add_argument("--base-url", help="benchmark this already-running server instead of starting one per config")
     ap.add_argument("--label", help="with --base-url: the configuration name in the report (default: the one "
@@ -566,11 +568,12 @@ def _server_for(args, config: Config, log_dir: str, max_num_seqs: int):
     if args.base_url:
         yield None
         return
-    from vllm_tree_spec.serve_launch import launched
+    from vllm_tree_spec.serve_launch import STARTUP_TIMEOUT_S, launched
 
     extra = ["--no-enable-prefix-caching"] if args.no_enable_prefix_caching else []
     with launched(args.model, config.spec, name=config.name, log_dir=log_dir, max_num_seqs=max_num_seqs,
-                  max_model_len=args.max_model_len, extra_args=extra) as server:
+                  max_model_len=args.max_model_len, extra_args=extra,
+                  startup_timeout_s=args.startup_timeout or STARTUP_TIMEOUT_S) as server:
         yield server
 
 
