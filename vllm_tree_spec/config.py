@@ -77,7 +77,8 @@ class TreeSpecConfig(BaseModel):
                               "directory (drafters 'eagle3', 'eagle').")
     tree: str | list[list[int]] | None = Field(
         None, description="Tree layout: shape string, explicit rank paths, or 'chain:K'. Model-free drafters "
-        "only use its node count; default: 's3_k2_d6', or num_speculative_tokens nodes for suffix/ngram.")
+        "only use its node count, except 'chain:K' (their best chain only); default: 's3_k2_d6', or "
+        "num_speculative_tokens nodes for suffix/ngram.")
     dynamic: bool | None = Field(None, description="EAGLE-2 rerank (draft_model with a shape).")
     num_speculative_tokens: int | None = Field(None, gt=0, description="Draft slots per request.")
     verification: Literal["auto", "greedy", "deterministic", "sampled", "sampled_without_replacement"] = Field(

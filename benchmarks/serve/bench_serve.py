@@ -3,6 +3,8 @@
     python benchmarks/serve/bench_serve.py --preset cpu-d6          # the recorded CPU run (docs/benchmarks.md)
     python benchmarks/serve/bench_serve.py --preset gpu-full        # D 4..8, concurrency 1..64, rate mode
     python benchmarks/serve/bench_serve.py --preset cpu-eagle3      # EAGLE-3 head vs vLLM's linear eagle3 (--head)
+    python benchmarks/serve/bench_serve.py --preset cpu-parity      # issue 13: chain-shaped tree vs linear n-gram
+    python benchmarks/serve/bench_serve.py --preset cpu-policy      # issue 13: default shape policy vs linear
     python benchmarks/serve/bench_serve.py --configs off,linear-suffix,tree-suffix --budgets 6 \\
         --concurrency 1,4 --num-prompts 8,16 --max-tokens 128 --out runs/serve/mine
     python benchmarks/serve/bench_serve.py --base-url http://127.0.0.1:8000 --label my-server ...
@@ -33,11 +35,14 @@ Configurations (`--configs`, D from `--budgets`):
     linear-suffix          vLLM `suffix` (Arctic Inference), chain of <= D tokens
     tree-suffix            tree drafter `suffix`, <= D nodes
     tree-suffix-fallback   tree-suffix with per-batch-size budgets (--fallback-budgets), e.g. none at 64
+    tree-suffix-chain      tree drafter `suffix` with "tree": "chain:D" and a static budget of D: its best chain
+                           (rank-0 path) at every step, the tree engine's cost for linear speculation's rows
     linear-/tree-suffix-wide  the suffix pair with max_spec_factor 4 and min_token_prob 0 (vLLM's defaults are
                            1 and 0.1, which cap a draft near the matched length: ~2 of D = 6 slots used)
     linear-ngram           vLLM `ngram` (prompt lookup 1..3), chain of D
     tree-ngram             tree drafter `ngram` (same lookup), <= D nodes
     tree-ngram-fallback    tree-ngram with --fallback-budgets
+    tree-ngram-chain       tree drafter `ngram` with "tree": "chain:D" and a static budget of D (as tree-suffix-chain)
     linear-draft           vLLM `draft_model` with --draft, chain of D (vLLM's default: argmax drafts, q one-hot)
     linear-draft-prob      the same with "draft_sample_method": "probabilistic" (drafts sampled from q, p/q test)
     tree-draft-static      tree drafter `draft_model`, a fixed D-node tree (Sequoia-optimal for a generic
@@ -92,7 +97,8 @@ for _p in (str(HERE), str(ROOT)):
 from serve_datasets import DATASETS, Prompt, build_pool, distribution, extract_code  # noqa: E402
 
 CONFIG_KINDS = ("off", "linear-suffix", "tree-suffix", "tree-suffix-fallback", "linear-suffix-wide", "tree-suffix-wide",
-                "linear-ngram", "tree-ngram", "tree-ngram-fallback", "linear-draft", "linear-draft-prob",
+                "tree-suffix-chain", "linear-ngram", "tree-ngram", "tree-ngram-fallback", "tree-ngram-chain",
+                "linear-draft", "linear-draft-prob",
                 "tree-draft-static", "tree-draft-dynamic", "tree-draft-sampled", "tree-draft-planned",
                 "linear-eagle3", "linear-eagle3-prob", "tree-eagle3-dynamic", "tree-eagle3-planned",
                 "tree-eagle3-sampled")
@@ -135,6 +141,17 @@ PRESETS: dict[str, dict] = {
     "gpu-eagle3-t1": dict(configs=EAGLE3_SAMPLED, budgets="4,5,6,7,8", concurrency="1,4,16", num_prompts="16",
                           prompts_per_slot=4, max_tokens=256, warmup=2, repeats=3, temperature=1.0,
                           no_enable_prefix_caching=True, profile_prompts=32, out="runs/serve/gpu-eagle3-t1"),
+    # Issue 13's targets (docs/benchmarks.md, "Per-stage step profile"), 3 interleaved repeats, medians of the
+    # per-repeat ratios in the report. Overhead parity: a chain-shaped tree vs vLLM's linear n-gram at the same
+    # budget, c = 1, 4, 16 (estimated 20-25 min on 2 idle cores: 9 servers, 27 runs of 96 tokens).
+    "cpu-parity": dict(configs="off,linear-ngram,tree-ngram-chain", budgets="6", concurrency="1,4,16",
+                       num_prompts="6,12,32", max_tokens=96, warmup=1, repeats=3, out="runs/serve/cpu-parity"),
+    # Never below linear: the default shape policy (budgets "auto") vs linear n-gram and suffix, c = 1..64
+    # (estimated 25-30 min on 2 idle cores: 12 servers, 48 runs of 64 tokens; one prompt per slot: c = 64 is one wave).
+    # The policy re-plans every 256 steps of a server's life (its runs share one server per repeat).
+    "cpu-policy": dict(configs="linear-ngram,tree-ngram,linear-suffix,tree-suffix", budgets="6",
+                       concurrency="1,4,16,64", num_prompts="4,8,16,64", prompts_per_slot=1, max_tokens=64,
+                       warmup=2, repeats=3, out="runs/serve/cpu-policy"),
     # Smallest real run (tests, sanity): two configs, 2 prompts.
     "smoke": dict(configs="off,tree-suffix", budgets="4", concurrency="1", num_prompts="2", max_tokens=16,
                   warmup=1, out="runs/serve/smoke"),
@@ -195,6 +212,11 @@ def make_config(kind: str, budget: int, draft: str | None = None, fallback: dict
         "linear-ngram": {"method": "ngram", "num_speculative_tokens": d, **lookup},
         "tree-ngram": {"method": "tree", "drafter": "ngram", "num_speculative_tokens": d, **lookup},
         "tree-ngram-fallback": {"method": "tree", "drafter": "ngram", "num_speculative_tokens": d, **lookup},
+        # a static budget: the online policy would prune the chain (or switch it off)
+        "tree-ngram-chain": {"method": "tree", "drafter": "ngram", "tree": f"chain:{d}", "num_speculative_tokens": d,
+                             "budgets": {"1024": d}, **lookup},
+        "tree-suffix-chain": {"method": "tree", "drafter": "suffix", "tree": f"chain:{d}",
+                              "num_speculative_tokens": d, "budgets": {"1024": d}},
         "linear-draft": {"method": "draft_model", "model": draft, "num_speculative_tokens": d},
         # vLLM's default drafts the argmax (q one-hot); "probabilistic" samples q and tests p/q (T > 0)
         "linear-draft-prob": {"method": "draft_model", "model": draft, "num_speculative_tokens": d,
@@ -487,6 +509,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--fallback-budgets", help='JSON {"batch size": nodes} for *-fallback configs '
                                                '(default {"4": D, "16": D//2, "64": 0})')
     ap.add_argument("--timeout", type=float, help="per-request timeout in seconds (600)")
+    ap.add_argument("--startup-timeout", type=float, help="seconds a server may take to answer /health (300; more on "
+                                                          "a loaded machine)")
     ap.add_argument("--no-exec", action="store_true", help="do not execute HumanEval completions")
     ap.add_argument("--base-url", help="benchmark this already-running server instead of starting one per config")
     ap.add_argument("--label", help="with --base-url: the configuration name in the report (default: the one "
@@ -544,11 +568,12 @@ def _server_for(args, config: Config, log_dir: str, max_num_seqs: int):
     if args.base_url:
         yield None
         return
-    from vllm_tree_spec.serve_launch import launched
+    from vllm_tree_spec.serve_launch import STARTUP_TIMEOUT_S, launched
 
     extra = ["--no-enable-prefix-caching"] if args.no_enable_prefix_caching else []
     with launched(args.model, config.spec, name=config.name, log_dir=log_dir, max_num_seqs=max_num_seqs,
-                  max_model_len=args.max_model_len, extra_args=extra) as server:
+                  max_model_len=args.max_model_len, extra_args=extra,
+                  startup_timeout_s=args.startup_timeout or STARTUP_TIMEOUT_S) as server:
         yield server
 
 

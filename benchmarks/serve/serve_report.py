@@ -29,6 +29,12 @@ EAGLE3_TARGETS = {  # issue 12: tree eagle3 / vLLM's linear eagle3 (at T > 0 its
     "throughput_c1_c4": 1.15,  # output tok/s, c = 1 and c = 4
     "throughput_per_cpu_s_c1_c4": 1.10,
 }
+ISSUE13_TARGETS = {  # issue 13: tree / linear, same drafter family, D = 6, medians of interleaved repeats
+    "parity": 0.98,  # a chain-shaped tree (tree-*-chain) at c = 1, 4, 16: output tok/s and tok per server CPU-s
+    "never_below": 0.98,  # the default shape policy (tree-ngram, tree-suffix) at c = 1, 4, 16, 64: output tok/s
+    "gain": 1.05,  # ... and this much where its tokens per round are >= 1.05x linear
+}
+PARITY_LEVELS, POLICY_LEVELS, POLICY_KINDS = (1, 4, 16), (1, 4, 16, 64), ("tree-ngram", "tree-suffix")
 REPEAT_METRICS = ("tokens_per_round", "candidates_per_round", "acceptance_rate", "output_tok_s", "requests_s",
                   "tok_per_cpu_s", "tokens_per_step")
 
@@ -222,7 +228,7 @@ def _rratio(a: dict | None, b: dict | None, metric: str):
 def _compare(r: dict, lin: dict | None, o: dict | None) -> dict:
     """Tree row r against linear row lin (None: not measured) and off row o, same D and load."""
     return {
-        "tree": r["config"], "linear": lin["config"] if lin else None, "family": r["family"],
+        "tree": r["config"], "kind": r["kind"], "linear": lin["config"] if lin else None, "family": r["family"],
         "budget": r["budget"], "key": r["key"], "mode": r["mode"], "level": r["level"],
         "accepted_length_ratio": _rratio(r, lin, "tokens_per_round"),
         "tokens_per_step_ratio": _rratio(r, lin, "tokens_per_step"),
@@ -248,11 +254,12 @@ def targets(cmp: list[dict], sampled: bool = False) -> list[dict]:
                 and pred(c)]
 
     out = []
-    for c in pick(lambda c: c["accepted_length_ratio"] is not None):
+    gains = lambda c: not c["kind"].endswith("-chain")  # noqa: E731  (a chain gains no accepted length by design)
+    for c in pick(lambda c: c["accepted_length_ratio"] is not None and gains(c)):
         out.append({"target": "accepted length >= +20% over linear at D=6", "where": f"{c['tree']} @ {c['key']}",
                     "value": c["accepted_length_ratio"], "threshold": TARGETS["accepted_length_gain_d6"],
                     "met": c["accepted_length_ratio"] >= TARGETS["accepted_length_gain_d6"]})
-    for c in pick(lambda c: c["level"] == 4 and c["throughput_ratio_vs_linear"] is not None):
+    for c in pick(lambda c: c["level"] == 4 and c["throughput_ratio_vs_linear"] is not None and gains(c)):
         out.append({"target": "throughput >= +25% over linear at batch 4", "where": f"{c['tree']} @ {c['key']}",
                     "value": c["throughput_ratio_vs_linear"], "cpu_value": c["cpu_efficiency_ratio_vs_linear"],
                     "threshold": TARGETS["throughput_gain_c4"],
@@ -262,7 +269,33 @@ def targets(cmp: list[dict], sampled: bool = False) -> list[dict]:
                     "value": c["throughput_ratio_vs_linear"], "cpu_value": c["cpu_efficiency_ratio_vs_linear"],
                     "threshold": TARGETS["throughput_ratio_c64"],
                     "met": c["throughput_ratio_vs_linear"] >= TARGETS["throughput_ratio_c64"]})
-    return out + eagle3_targets(cmp, sampled)
+    return out + issue13_targets(pick) + eagle3_targets(cmp, sampled)
+
+
+def issue13_targets(pick) -> list[dict]:
+    """Overhead parity (chain-shaped trees) and never below linear (the default shape policy)."""
+    out = []
+    thr = ISSUE13_TARGETS["parity"]
+    for c in pick(lambda c: c["kind"].endswith("-chain") and c["level"] in PARITY_LEVELS
+                  and c["throughput_ratio_vs_linear"] is not None):
+        cpu = c["cpu_efficiency_ratio_vs_linear"]
+        out.append({"target": f"overhead parity: chain tree >= {thr:.2f}x linear (tok/s and per CPU-s)",
+                    "where": _where(c), "value": c["throughput_ratio_vs_linear"], "cpu_value": cpu, "threshold": thr,
+                    "met": c["throughput_ratio_vs_linear"] >= thr and cpu is not None and cpu >= thr})
+    for c in pick(lambda c: c["kind"] in POLICY_KINDS and c["level"] in POLICY_LEVELS
+                  and c["throughput_ratio_vs_linear"] is not None):
+        longer = (c["accepted_length_ratio"] or 0) >= ISSUE13_TARGETS["gain"]
+        thr = ISSUE13_TARGETS["gain" if longer else "never_below"]
+        what = "tokens/round >= 1.05x: >= " if longer else "never below linear: >= "
+        out.append({"target": f"default policy, {what}{thr:.2f}x linear", "where": _where(c),
+                    "value": c["throughput_ratio_vs_linear"], "cpu_value": c["cpu_efficiency_ratio_vs_linear"],
+                    "threshold": thr, "met": c["throughput_ratio_vs_linear"] >= thr})
+    return out
+
+
+def _where(c: dict) -> str:
+    return f"{c['tree']} vs {c['linear']} @ {c['key']}" + (f" (median of {c['repeats']})" if (c["repeats"] or 1) > 1
+                                                         else "")
 
 
 def eagle3_baseline(cmp: list[dict], sampled: bool) -> list[dict]:

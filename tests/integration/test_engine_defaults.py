@@ -4,7 +4,7 @@ import pytest
 from engine_utils import TieChecker, compare_greedy, repetitive_prompts, run_engine
 
 VOCAB = 2048
-TREE = {"method": "tree", "drafter": "ngram", "tree": "chain:8", "prompt_lookup_max": 4}
+TREE = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4}  # trees of <= 8 nodes
 
 
 @pytest.fixture(scope="module")

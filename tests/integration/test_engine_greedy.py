@@ -16,7 +16,7 @@ VOCAB = 2048
 MAX_TOKENS = 48
 
 CONFIGS = {
-    "ngram-budget10": {"method": "tree", "drafter": "ngram", "tree": "chain:10", "prompt_lookup_max": 4},
+    "ngram-budget10": {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 10, "prompt_lookup_max": 4},
     "suffix-s3_k2_d6": {"method": "tree", "drafter": "suffix", "tree": "s3_k2_d6"},
     "suffix-paths": {"method": "tree", "drafter": "suffix", "tree": "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"},
     "ngram-chain4": {"method": "tree", "drafter": "ngram", "tree": "chain:4"},

@@ -25,7 +25,7 @@ def test_tp2_tree_greedy_identical_to_tp1_without_speculation(tiny_models, monke
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     base = run_engine(model, prompts, params)
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    run = run_engine(model, prompts, params, {"method": "tree", "drafter": "ngram", "tree": "chain:8",
+    run = run_engine(model, prompts, params, {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 8,
                                               "prompt_lookup_max": 4},
                      tensor_parallel_size=2, distributed_executor_backend="mp")
     compare_greedy(base.outputs, run.outputs, raw, None)

@@ -5,6 +5,11 @@ vLLM constructs `TreeProposer(vllm_config)` because the config route rewrites
 `propose(...)` call is never reached: the tree runner's
 `propose_draft_token_ids` calls `propose_trees` with request ids, contexts and
 per-request budgets, which the chain interface cannot carry.
+
+Model-free drafters (suffix, n-gram) build their own trees and only take a node
+budget from the `tree` layout, except `"chain:K"`: there each proposal is pruned
+to its rank-0 path (the drafter's best chain), so the engine verifies chains
+like vLLM's linear methods (a lossless pruning, as the shape policy's).
 """
 
 from __future__ import annotations
@@ -71,6 +76,18 @@ def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
     raise NotImplementedError(f"drafter {cfg.drafter!r} is not available in this build of vllm-tree-spec")
 
 
+def chain_plan(cfg: TreeSpecConfig):
+    """The rank-0 chain that proposals are pruned to: model-free drafters with `tree` "chain:K" (else None;
+    model drafters draft the layout itself). Its length is the slot count: the budget sets the depth."""
+    chain = isinstance(cfg.tree, str) and cfg.tree.strip().startswith("chain:")
+    if cfg.drafter not in ("suffix", "ngram") or not chain:
+        return None
+    from vllm_tree_spec.online_policy import Plan
+    from vllm_tree_spec.tree import Tree
+
+    return Plan.of(Tree.chain(cfg.num_slots))
+
+
 def _model_policy(cfg: TreeSpecConfig):
     """The tree policy of a model drafter (draft_model, eagle3, eagle) from the config."""
     from vllm_tree_spec.drafters.policy import DynamicPolicy, SampledPolicy, StaticPolicy
@@ -107,6 +124,7 @@ class TreeProposer:
 
         sched = getattr(vllm_config, "scheduler_config", None)
         self.shape_policy = make_shape_policy(self.cfg, getattr(sched, "max_num_seqs", None))
+        self.chain_plan = chain_plan(self.cfg)
 
     def load_model(self, target_model) -> None:  # vLLM calls this after loading the target
         load = getattr(self.drafter, "load_model", None)
@@ -133,8 +151,14 @@ class TreeProposer:
 
     def propose_trees(self, requests: list[DraftRequest], budgets: list[int]) -> list[TreeProposal]:
         if self.shape_policy is not None:
-            return self.shape_policy.propose(self.drafter, requests, budgets)
-        return self.drafter.propose(requests, budgets)
+            out = self.shape_policy.propose(self.drafter, requests, budgets)
+        else:
+            out = self.drafter.propose(requests, budgets)
+        if self.chain_plan is not None:
+            from vllm_tree_spec.online_policy import prune_to_shape
+
+            out = [prune_to_shape(p, self.chain_plan) for p in out]
+        return out
 
     @property
     def observes_target(self) -> bool:
