@@ -118,7 +118,8 @@ def providers(case) -> dict:
     def lse_only():
         if not plan.merged:  # chains: nothing to merge
             return
-        cpu_tree_split.prefix_lse(q, kv, HEAD_DIM, plan.merged, case.block_table, scale=case.impl.scale, softcap=0)
+        cpu_tree_split.prefix_lse(q, kv, HEAD_DIM, plan.merged, case.block_table, isa=case.layer.isa,
+                                  scale=case.impl.scale, softcap=0)
 
     def plan_build():
         case.step.__dict__.pop("_cpu_attn_plans", None)
