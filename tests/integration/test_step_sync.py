@@ -7,7 +7,8 @@
 * The sync-free walk equals the compacting walk bit for bit, and its rewound streams stand where the
   compacting walk leaves them (a seeded request's tokens do not depend on the path taken).
 * The fused commit (one gather + scatter over every layer of a group) equals the per-layer reference
-  on both cache layouts, and the whole faked step commits exactly what `compaction_pairs` says.
+  on every cache layout (paged; CPU_ATTN vec and amx), and the whole faked step commits exactly what
+  `compaction_pairs` says; over an amx cache it moves the same K/V as over a vec cache.
 """
 
 from __future__ import annotations
@@ -90,9 +91,15 @@ def test_sync_free_step_equals_cpu_step(monkeypatch):
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b))
 
 
-@pytest.mark.parametrize("layout", ["cpu_attn", "paged"])
-def test_step_commits_what_compaction_pairs_says(layout):
-    case = make_step(5, 9, modes=("greedy", "deterministic"), layout=layout, seed=7)
+# (layout, CPU_ATTN isa, cache dtype, head size, block size); amx: bf16, sizes in multiples of 32 as vLLM needs
+LAYOUTS = [("cpu_attn", "vec", torch.float32, 16, 16), ("cpu_attn", "amx", torch.bfloat16, 32, 32),
+           ("paged", None, torch.float32, 16, 16)]
+
+
+@pytest.mark.parametrize("layout,isa,dtype,head_size,block_size", LAYOUTS)
+def test_step_commits_what_compaction_pairs_says(layout, isa, dtype, head_size, block_size):
+    case = make_step(5, 9, modes=("greedy", "deterministic"), layout=layout, seed=7, isa=isa, kv_dtype=dtype,
+                     head_size=head_size, block_size=block_size)
     before = case.kv.clone()
     out = run_step(case)
     r = case.runner
@@ -117,36 +124,65 @@ def test_step_commits_what_compaction_pairs_says(layout):
             t = torch.tensor([p[1] for p in pairs])
             for layer in want:
                 if layout == "cpu_attn":
-                    kv_layout.cpu_copy_slots(layer, s, t, d)
+                    kv_layout.cpu_copy_slots(layer, s, t, d, isa)
                 else:
                     kv_layout.paged_copy_slots(layer, s, t)
     assert torch.equal(case.kv, want)
 
 
-@pytest.mark.parametrize("layout", ["cpu_attn", "paged"])
+@pytest.mark.parametrize("layout,isa,bs,d,dtype", [("cpu_attn", "vec", 4, 5, torch.float32),
+                                                   ("cpu_attn", "amx", 16, 32, torch.bfloat16),
+                                                   ("paged", None, 4, 5, torch.float32)])
 @pytest.mark.parametrize("shared", [True, False])
-def test_fused_copy_equals_per_layer_reference(layout, shared):
+def test_fused_copy_equals_per_layer_reference(layout, isa, bs, d, dtype, shared):
     gen = torch.Generator().manual_seed(1)
-    L, nb, hkv, bs, d = 3, 7, 2, 4, 5
+    L, nb, hkv = 3, 7, 2
     if shared:  # one allocation, layers at a constant stride (and not first in memory order)
-        buf = torch.randn(nb, L, hkv, bs, 2 * d, generator=gen)
+        buf = torch.randn(nb, L, hkv, bs, 2 * d, generator=gen).to(dtype)
         layers = [buf[:, i] for i in (2, 0, 1)]
     else:
-        layers = [torch.randn(nb, hkv, bs, 2 * d, generator=gen) for _ in range(L)]
+        layers = [torch.randn(nb, hkv, bs, 2 * d, generator=gen).to(dtype) for _ in range(L)]
     joined = commit.join_layers(layers)
     assert (joined is not None) == shared
-    src = torch.tensor([5, 9, 10, 3, 3])  # overlapping and self copies
-    dst = torch.tensor([4, 5, 9, 3, 20])
+    src = torch.tensor([5, 9, 10, 3, 3, 17])  # overlapping and self copies, across blocks
+    dst = torch.tensor([4, 5, 9, 3, 20, 2])
     want = [c.clone() for c in layers]
     for c in want:
         if layout == "cpu_attn":
-            kv_layout.cpu_copy_slots(c, src, dst, d)
+            kv_layout.cpu_copy_slots(c, src, dst, d, isa)
         else:
             kv_layout.paged_copy_slots(c, src, dst)
     for c in [joined] if shared else layers:
-        commit.copy_slots(c, src, dst, layout, d, joined=shared)
+        commit.copy_slots(c, src, dst, layout, d, joined=shared, isa=isa)
     for got, exp in zip(layers, want):
         assert torch.equal(got, exp)
+
+
+def test_amx_commit_moves_what_the_vec_commit_moves():
+    """One faked step over a vec cache and over an amx cache holding the same K/V (written through
+    `amx_pack_model`, the transcription of vLLM's AMX cache write): the same rows end up in every slot."""
+    kw = dict(modes=("greedy",), seed=3, kv_dtype=torch.bfloat16, head_size=32, block_size=32, layers=2,
+              context=40)
+    vec = make_step(4, 7, isa="vec", **kw)
+    amx = make_step(4, 7, isa="amx", **kw)
+    for case in (vec, amx):  # accept down the last child at every node: paths that leave the first branch
+        r = case.runner
+        qsl = r.query_start_loc.np
+        for b, rid in enumerate(r.input_batch.req_ids):
+            tree = r._tree_drafts[rid].tree
+            for row, kids in enumerate(tree.children):  # row 0 = root, row i + 1 = node i
+                if kids:
+                    case.logits[qsl[b] + row, int(tree.tokens[kids[-1]])] = 100.0
+    slots = torch.arange(vec.kv.shape[1] * 32)
+    for v_layer, a_layer in zip(vec.kv, amx.kv):  # every byte of the amx cache rewritten from the vec K/V
+        kv_layout.amx_pack_model(*kv_layout.vec_gather(v_layer, slots, 32), a_layer, slots)
+    before = vec.kv.clone()
+    out_vec, out_amx = run_step(vec), run_step(amx)
+    assert torch.equal(out_vec.sampled_token_ids, out_amx.sampled_token_ids)
+    assert not torch.equal(before, vec.kv), "no accepted path moved a row: the comparison below would be vacuous"
+    for v_layer, a_layer in zip(vec.kv, amx.kv):
+        kv_v, kv_a = kv_layout.vec_gather(v_layer, slots, 32), kv_layout.amx_gather(a_layer, slots, 32)
+        assert torch.equal(kv_v[0], kv_a[0]) and torch.equal(kv_v[1], kv_a[1])
 
 
 def _random_batch(rng, batch_size, vocab, max_nodes):

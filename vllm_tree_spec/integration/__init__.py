@@ -12,7 +12,10 @@
               CPU: vLLM's `cpu_attention_with_kv_cache` is called once with our own sequence split (each
               branching tree's root + nodes as one non-causal sequence over the prefix, via its per-sequence
               `dynamic_causal`; chains stay causal), then each node is merged with its tree part by log-sum-exp weights (the
-              prefix LSE computed on the side: the op returns none). GPU: the stock kernel does not run;
+              prefix LSE computed on the side: the op returns none); every cache read and the commit go through
+              kv_layout's `cpu_*` functions for the layer's ISA (`layer.isa`, set by vLLM's metadata builder:
+              vec / vec16, and amx for bf16 on AMX CPUs), each layout pinned by `kv_layout.self_test` against
+              vLLM's `cpu_attn_reshape_and_cache` at start-up. GPU: the stock kernel does not run;
               the Triton tree kernel computes every row of the step from the paged cache.
         Removal: a tree/custom-mask argument in the attention ops, or (CPU) an LSE output of
               cpu_attention_with_kv_cache, which would remove the side pass (extend_attention_cpu's
@@ -28,6 +31,8 @@
         whose own touch points D1-D5 are recorded in its package docstring)
         Why: depth positions, tree masks, tree verification and KV compaction have no upstream hooks.
         Removal: upstream tree speculation (vLLM PR #22752 was the closest; closed).
+        initialize_kv_cache also runs `tree_check_caches` after vLLM's own: each layer's override checks it
+        can read its cache (CPU: the ISA vLLM picked), so an unreadable layout is refused at start-up.
         _input_fits_in_drafter returns True: vLLM zeroes *every* request's drafts once the longest request
         cannot take num_spec_tokens more positions, and those zeros would be scheduled with no tree behind
         them; the tree drafter sizes each request's tree by its own room instead. Removal: a per-request

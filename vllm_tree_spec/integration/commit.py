@@ -17,7 +17,9 @@ verifier's outputs, with no host sync and no per-request work:
                                             are dropped first), then one gather + one scatter
                                             over all layers of a group when vLLM placed them in
                                             one allocation at a constant stride (vLLM 0.32 does:
-                                            `create_kv_cache_views`), else per layer
+                                            `create_kv_cache_views`), else per layer; CPU_ATTN
+                                            rows are addressed by `kv_layout.cpu_slot_offsets` for
+                                            the group's ISA (vec / vec16 / amx)
 
 `commit_accepted_paths` is the host-list form (per-request paths), kept for
 callers that have only those.
@@ -58,10 +60,10 @@ def commit_accepted_paths(runner, requests: "list[TreeRequestStep] | TreeStep",
             continue
         s = torch.tensor(src, dtype=torch.long)
         d = torch.tensor(dst, dtype=torch.long)
-        for layer_name, kv_cache, impl in _group_layers(runner, gid):
+        for layer_name, kv_cache, impl, isa in _group_layers(runner, gid):
             layout = getattr(impl, "tree_kv_layout", None)  # declared by our attention overrides
-            if layout == "cpu_attn":  # CPU_ATTN [nb, Hkv, bs, 2D], K transposed per block
-                kv_layout.cpu_copy_slots(kv_cache, s, d, impl.head_size)
+            if layout == "cpu_attn":  # CPU_ATTN [nb, Hkv, bs, 2D], packed per block by the layer's ISA
+                kv_layout.cpu_copy_slots(kv_cache, s, d, impl.head_size, isa)
             elif layout == "paged":  # FLASH_ATTN / TRITON_ATTN [nb, Hkv, bs, 2D] (logical order)
                 kv_layout.paged_copy_slots(kv_cache, s.to(kv_cache.device), d.to(kv_cache.device))
             else:
@@ -83,6 +85,7 @@ class _GroupCommit:
     head_size: int
     caches: list[torch.Tensor]  # per layer, or one joined [L, ...] view
     joined: bool  # caches == [view over every layer]
+    isa: str | None = None  # cpu_attn: the group's CPU_ATTN ISA (vLLM sets one per metadata builder)
     layer_table: torch.Tensor | None = None  # Triton: [L] int64 base addresses
 
 
@@ -112,7 +115,7 @@ def commit_step(runner, step, result) -> None:
             if src.numel() == 0:
                 continue
         for cache in plan.caches:
-            copy_slots(cache, src, dst, plan.layout, plan.head_size, plan.joined)
+            copy_slots(cache, src, dst, plan.layout, plan.head_size, plan.joined, plan.isa)
 
 
 def commit_index_lists(row_slots, cu_num_rows, accepted_nodes, num_accepted) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,45 +126,50 @@ def commit_index_lists(row_slots, cu_num_rows, accepted_nodes, num_accepted) -> 
 
 
 def copy_slots(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, layout: str, head_size: int,
-               joined: bool) -> None:
+               joined: bool, isa: str | None = None) -> None:
     """cache[dst] <- cache[src] for every slot pair (K and V, every head; every layer if joined), one
     gather and one scatter. Sources are read before any destination is written (overlap-safe); pairs
-    with src == dst write back what they read."""
+    with src == dst write back what they read. isa: the CPU_ATTN ISA (layout "cpu_attn" only)."""
     c = cache if joined else cache[None]  # [L, nb, Hkv, bs, 2D] logical
     bs = c.shape[3]
     sb, so, db, do = src // bs, src % bs, dst // bs, dst % bs
     if layout == "paged":
         c[:, db, :, do] = c[:, sb, :, so]
         return
-    # CPU_ATTN: per (block, head) the K half is [D, bs] (transposed), then V [bs, D]: a slot's 2D
-    # elements sit at d * bs + o (K) and bs * D + o * D + d (V) of the block's bs * 2D run.
+    # CPU_ATTN: a slot's 2D elements are scattered over its (block, head) run of bs * 2D elements, at
+    # offsets fixed by the ISA's packing (vec: d * bs + o for K, bs * D + o * D + d for V)
     flat = c.flatten(3)  # [L, nb, Hkv, bs * 2D] (a view: each block's run is contiguous)
-    d_idx = torch.arange(head_size, device=src.device)
-
-    def cols(o):  # [P, 2D] element offsets of slot offsets o [P] in their block's run
-        return torch.cat([d_idx * bs + o[:, None], bs * head_size + o[:, None] * head_size + d_idx], 1)
-
-    flat[:, db[:, None], :, cols(do)] = flat[:, sb[:, None], :, cols(so)]
+    size = cache.element_size()
+    src_cols = kv_layout.cpu_slot_offsets(isa, so, head_size, bs, size)  # [P, 2D]
+    dst_cols = kv_layout.cpu_slot_offsets(isa, do, head_size, bs, size)
+    flat[:, db[:, None], :, dst_cols] = flat[:, sb[:, None], :, src_cols]
 
 
 def _plan_group(runner, gid: int) -> _GroupCommit | None:
     layers = list(_group_layers(runner, gid))
     if not layers:
         return None
-    layouts = {getattr(impl, "tree_kv_layout", None) for _, _, impl in layers}
-    name, kv, impl = layers[0]
+    layouts = {getattr(impl, "tree_kv_layout", None) for _, _, impl, _ in layers}
+    name, kv, impl, _ = layers[0]
     if len(layouts) != 1 or layouts - {"cpu_attn", "paged"}:
         raise kv_layout.UnsupportedKVLayout(
             f"layer {name}: {type(impl).__name__} (KV cache {tuple(kv.shape)}) has no tree commit")
     layout = layouts.pop()
-    caches = [c for _, c, _ in layers]
+    caches = [c for _, c, _, _ in layers]
     if layout == "paged" and kv.device.type == "cuda":
         table = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=kv.device)
-        return _GroupCommit(layout, impl.head_size, caches, False, table)
+        return _GroupCommit(layout, impl.head_size, caches, False, layer_table=table)
+    isa = None
+    if layout == "cpu_attn":
+        isas = {i for _, _, _, i in layers}
+        if len(isas) != 1:
+            raise kv_layout.UnsupportedKVLayout(
+                f"KV group {gid}: its layers use different CPU_ATTN ISAs {sorted(map(str, isas))}")
+        isa = isas.pop()
     joined = join_layers(caches)
     if joined is not None:
-        return _GroupCommit(layout, impl.head_size, [joined], True)
-    return _GroupCommit(layout, impl.head_size, caches, False)
+        return _GroupCommit(layout, impl.head_size, [joined], True, isa)
+    return _GroupCommit(layout, impl.head_size, caches, False, isa)
 
 
 def join_layers(caches: list[torch.Tensor]) -> torch.Tensor | None:
@@ -192,4 +200,4 @@ def _group_layers(runner, gid: int):
         if not isinstance(kv, torch.Tensor) or kv.numel() == 0 or kv.data_ptr() in seen:
             continue
         seen.add(kv.data_ptr())
-        yield name, kv, layer.impl
+        yield name, kv, layer.impl, getattr(layer, "isa", None)  # isa: CPU_ATTN layers (vLLM's builder sets it)

@@ -13,7 +13,11 @@ trees (whose causal mask is their tree mask) go through the same call
 unchanged, with no merge: a chain costs what linear speculation costs. Positions are depth-based, so a sliding window is measured in
 positions; there the prefix part is computed over the window only. Softcap and
 attention sinks follow the kernel's math; ALiBi and quantised KV caches are
-refused at model load (`tree_check`).
+refused at model load (`tree_check`), a cache layout the plugin cannot read once
+the cache exists (`tree_check_cache`: vec, vec16 and, for bf16 on AMX CPUs, amx
+are read; the kernel call's metadata is the same for every ISA: vLLM picks amx
+only for block sizes and head sizes that are multiples of 32, which its amx
+kernel needs).
 
 The split metadata and node indices are built once per step and shared by
 every layer of the KV-cache group. It is registered in the worker process by
@@ -84,6 +88,11 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             raise TreeSpecError(f"tree attention on CPU reads unquantised KV caches only; drop --kv-cache-dtype "
                                 f"{self.kv_cache_dtype}")
 
+    def tree_check_cache(self, layer, kv_cache: torch.Tensor) -> None:
+        """Refuse, once the KV cache exists (vLLM's metadata builder has set `layer.isa`), a cache layout
+        the tree path cannot read: `kv_layout.self_test` against vLLM's own cache op (amx: on this CPU)."""
+        kv_layout.self_test(layer.isa, kv_cache.dtype, self.head_size, kv_cache.shape[2], self.num_kv_heads)
+
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
         step: TreeStep | None = getattr(attn_metadata, "tree_step", None)
@@ -122,20 +131,20 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             dynamic_causal=ks.causal, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
             kv_cache_dtype=self.kv_cache_dtype)
         if plan.merged:
-            self._tree_merge(plan, query, kv_cache, attn_metadata.block_table, output, window)
+            self._tree_merge(plan, query, kv_cache, attn_metadata.block_table, output, window, layer.isa)
 
     def _tree_merge(self, plan: _Plan, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
-                    output: torch.Tensor, window: int) -> None:
+                    output: torch.Tensor, window: int, isa: str) -> None:
         """Overwrite every branching tree's node rows with prefix part (+) tree part."""
         nodes = plan.nodes
         hkv, g, d = self.num_kv_heads, self.num_queries_per_kv, self.head_size
         B, n = nodes.rows.shape
         q = query.view(query.shape[0], hkv, g, d)[nodes.rows].float()  # [B, n, Hkv, G, D]
-        kw = dict(scale=self.scale, softcap=self.logits_soft_cap, window=window)
+        kw = dict(isa=isa, scale=self.scale, softcap=self.logits_soft_cap, window=window)
         if window > 0:  # the prefix part over the window, here
             lse_p, o_p = split.prefix_part(q, kv_cache, d, plan.blocks, nodes, values=True, **kw)
         else:  # the kernel's prefix output, with its log-sum-exp from the side
-            lse_p = split.prefix_lse(q, kv_cache, d, plan.merged, block_table, scale=self.scale,
+            lse_p = split.prefix_lse(q, kv_cache, d, plan.merged, block_table, isa=isa, scale=self.scale,
                                      softcap=self.logits_soft_cap)
             o_p = output.view(output.shape[0], hkv, g, d)[nodes.rows].float()
         lse_t, o_t = split.tree_part(q, kv_cache, d, nodes, **kw)

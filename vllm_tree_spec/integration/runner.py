@@ -16,6 +16,8 @@
                               Sampler or RejectionSampler), with the same transforms and noise
     _bookkeeping_sync         keeps vLLM's generator rewind off rows the plugin did not draw for
 
+After vLLM's `initialize_kv_cache` every layer checks that the tree path can read its
+cache layout (`tree_check_caches`; CPU: the ISA vLLM picked, pinned against vLLM's op).
 Adapters (adapters.py) may also hook `initialize_kv_cache` (reserve cache blocks the
 scheduler never hands out) and `on_metadata` (edit a tree step's metadata after vLLM
 built it); drafters that read the target's hidden states get `observe_target(req_ids,
@@ -69,6 +71,7 @@ class TreeRunnerMixin:
         if reserve is not None:
             kv_cache_config = reserve(self, kv_cache_config)
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
+        self.tree_check_caches()
         after = getattr(self.tree_adapter, "on_kv_cache", None)
         if after is not None:
             after(self)
@@ -114,6 +117,17 @@ class TreeRunnerMixin:
         for layer in ctx.values():
             if isinstance(layer, Attention) and hasattr(layer.impl, "tree_check"):
                 layer.impl.tree_check()  # per-layer features the tree kernel cannot compute
+
+    def tree_check_caches(self) -> None:
+        """Refuse at start-up a KV cache layout the tree path cannot read: every layer whose attention
+        override has `tree_check_cache` (CPU: the ISA vLLM's metadata builder picked, against vLLM's op)."""
+        for layer in self.compilation_config.static_forward_context.values():
+            check = getattr(getattr(layer, "impl", None), "tree_check_cache", None)
+            kv = getattr(layer, "kv_cache", None)
+            if isinstance(kv, (list, tuple)):
+                kv = kv[0] if kv else None
+            if check is not None and isinstance(kv, torch.Tensor) and kv.numel():
+                check(layer, kv)
 
     # -- hook 1: drafting -----------------------------------------------------------------------
 
