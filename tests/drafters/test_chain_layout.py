@@ -50,3 +50,4 @@ def test_ngram_chain_layout_prunes_to_the_rank0_path():
 ])
 def test_chain_plan_only_for_explicit_chains_of_model_free_drafters(keys, pruned):
     assert (chain_plan(TreeSpecConfig(method="tree", **keys)) is not None) == pruned
+

@@ -204,3 +204,13 @@ def test_canonical_tree_merges_duplicate_siblings_recursively():
 def test_canonical_tree_rejects_malformed_input(parents, tokens, match):
     with pytest.raises(DrafterError, match=match):
         canonical_tree(parents, tokens)
+
+
+def test_an_empty_sampled_proposal_needs_no_q():
+    """Budget 0 in a sampled mode (the shape policy may ask for no speculation): nothing was drawn, so the
+    proposal carries no draft_probs and is valid (it crashed the engine's drafter validation before)."""
+    from vllm_tree_spec.drafters.base import TreeProposal
+    from vllm_tree_spec.verify import Mode
+
+    for mode in (Mode.SAMPLED, Mode.SAMPLED_WITHOUT_REPLACEMENT):
+        TreeProposal.empty(mode).validate(0, 100)

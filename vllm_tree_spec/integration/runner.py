@@ -163,7 +163,15 @@ class TreeRunnerMixin:
         # Partial prefills are not proposed for: part of their context is not computed yet (an EAGLE-3
         # head would look for target features the next chunk computes); vLLM drops their drafts anyway.
         ready = [i for i in range(len(req_ids)) if i < len(sampled_token_ids) and len(sampled_token_ids[i])]
-        trees = dict(zip(ready, self.drafter.propose_trees([requests[i] for i in ready], [budgets[i] for i in ready])))
+        try:
+            trees = dict(zip(ready, self.drafter.propose_trees([requests[i] for i in ready],
+                                                               [budgets[i] for i in ready])))
+        except Exception:
+            # A drafter bug must not kill every request in flight: this step decodes without drafts (plain
+            # decoding, lossless), loudly: the traceback is logged and the worker counts it (`drafter_failures`).
+            logger.exception("tree drafter failed; this step runs without speculation")
+            self.tree_stats.drafter_failures += 1
+            trees = {}
         drafts: list[list[int]] = []
         # Not reset per step: a running request the scheduler skips (token budget spent on a prefill chunk)
         # keeps its drafts and is verified with them later. Entries go when the request finishes.

@@ -26,6 +26,7 @@ class TreeStats:
     accepted_per_depth: list[int] = field(default_factory=list)
     branching_rounds: int = 0  # rounds whose tree had a node with >= 2 children
     off_first_branch: int = 0  # rounds whose accepted path left the rank-0 chain
+    drafter_failures: int = 0  # steps whose drafter raised (decoded without drafts instead of crashing)
     draft_s: float = 0.0
     verify_s: float = 0.0
     commit_s: float = 0.0
@@ -74,5 +75,5 @@ class TreeStats:
         return dict(rounds=self.rounds, nodes=self.nodes, accepted=self.accepted,
                     accepted_per_depth=list(self.accepted_per_depth), draft_s=self.draft_s,
                     verify_s=self.verify_s, commit_s=self.commit_s, branching_rounds=self.branching_rounds,
-                    off_first_branch=self.off_first_branch,
+                    off_first_branch=self.off_first_branch, drafter_failures=self.drafter_failures,
                     mean_accepted_length=self.mean_accepted_length)
