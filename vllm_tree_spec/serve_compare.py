@@ -59,10 +59,17 @@ class RunResult:
         return 1 + self.accepted / self.drafts if self.drafts else None
 
 
+def server_args(spec: dict | None) -> list[str]:
+    """EAGLE heads (linear eagle/eagle3, tree drafters eagle/eagle3) run without prefix caching: the tree
+    drafters refuse it (the head needs the target's features at every position), so both rows of a pair do."""
+    uses_head = spec is not None and any(str(spec.get(k, "")).startswith("eagle") for k in ("method", "drafter"))
+    return ["--no-enable-prefix-caching"] if uses_head else []
+
+
 def run_config(name: str, model: str, spec: dict | None, max_tokens: int, concurrency: int,
                log_dir: str) -> RunResult:
-    extra = ["--no-enable-prefix-caching"] if spec and "eagle" in (spec.get("method"), spec.get("drafter")) else []
-    with launched(model, spec, name=name, log_dir=log_dir, max_num_seqs=concurrency, extra_args=extra) as server:
+    with launched(model, spec, name=name, log_dir=log_dir, max_num_seqs=concurrency,
+                  extra_args=server_args(spec)) as server:
         base = server.base
 
         def chat(prompt: str) -> dict:
