@@ -396,7 +396,7 @@ def test_eagle3_benchmark_end_to_end_with_fake_servers(fake_server, monkeypatch,
     launches = []
 
     @contextmanager
-    def fake_launched(model, spec, *, name, log_dir, max_num_seqs, max_model_len, extra_args=()):
+    def fake_launched(model, spec, *, name, log_dir, max_num_seqs, max_model_len, extra_args=(), **kw):
         launches.append((name, spec, list(extra_args)))
         if spec is None:
             counters = {}

@@ -18,7 +18,7 @@ from engine_utils import DTYPES, reference_model, repetitive_prompts, run_engine
 
 VOCAB = 2048
 TOL = {"float32": 2e-4, "bfloat16": 2 ** -6}  # x max(1, |top logit|)
-SPEC = {"method": "tree", "drafter": "ngram", "tree": "chain:10", "prompt_lookup_max": 4}  # branches where
+SPEC = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 10, "prompt_lookup_max": 4}  # branches where
 # the prompt's continuations disagree (the greedy suite's "ngram-budget10")
 MAX_TREES, MAX_CHAINS = 60, 10  # recorded tree requests checked (branching trees, chains), root + <= 10 nodes
 

@@ -28,7 +28,7 @@ from dsv4_harness import OracleTreeDrafter, dsv4_oracle, random_prompts, run_dsv
 
 PROMPT_LENGTHS = (61, 125, 250)
 MAX_TOKENS = 40
-BUDGET = {"method": "tree", "drafter": "ngram", "tree": "chain:8"}  # 8 draft slots; the drafter is replaced
+BUDGET = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 8}  # 8 draft slots; the drafter is replaced
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +81,7 @@ def test_oracle_trees_identical_to_no_speculation(dsv4_model, setup, shape):
 @pytest.mark.parametrize("spec", [
     {"method": "tree", "drafter": "suffix", "tree": "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0), (0, 1)]"},
     {"method": "tree", "drafter": "suffix", "tree": "s3_k2_d6"},
-    {"method": "tree", "drafter": "ngram", "tree": "chain:6", "prompt_lookup_max": 4},
+    {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 6, "prompt_lookup_max": 4},
 ], ids=["suffix-static", "suffix-dynamic-s3_k2_d6", "ngram-chain6"])
 def test_model_free_drafters_identical(dsv4_model, recall_setup, spec):
     raw, prompts, params, base, truth, _ = recall_setup

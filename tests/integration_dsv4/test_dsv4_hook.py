@@ -28,7 +28,7 @@ TOP_K = 8
 # vLLM's CPU mHC op is not batch-invariant (an ulp on ~1% of rows between batch sizes), so a verify step's
 # rows may differ from sequential decoding by rounding; most are bit-identical (docs/dsv4.md).
 LOGPROB_TOL = 1e-2
-BUDGET = {"method": "tree", "drafter": "ngram", "tree": "chain:8"}
+BUDGET = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 8}
 
 
 @pytest.fixture(scope="module")

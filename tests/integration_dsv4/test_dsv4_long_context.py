@@ -22,7 +22,7 @@ from dsv4_harness import (OracleTreeDrafter, dsv4_oracle, random_prompts, record
 PROMPT_LEN = 2100
 MAX_MODEL_LEN = 2300
 MAX_TOKENS = 24
-BUDGET = {"method": "tree", "drafter": "ngram", "tree": "chain:8"}
+BUDGET = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 8}
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -132,7 +132,7 @@ def test_tp2_tree_identical_and_ranks_agree(dsv4_model, tmp_path):
     base = _run(tmp_path, dsv4_model, None)
     truth = tmp_path / "truth.json"
     truth.write_text(json.dumps(base))
-    tree = _run(tmp_path, dsv4_model, {"method": "tree", "drafter": "ngram", "tree": "chain:8"}, truth)
+    tree = _run(tmp_path, dsv4_model, {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 8}, truth)
     for line in _tp2_oracle(tmp_path, dsv4_model, base["prompts"]).check(base["prompts"], base["outputs"],
                                                                           tree["outputs"]).lines():
         print(line)
