@@ -188,6 +188,18 @@ def static_tree_paths(budget: int) -> tuple[list[list[int]], str]:
     return [list(p) for p in tree.to_paths()], shape_hint(tree)
 
 
+
+def _planned_spec(drafter: str, model: str | None, planned, d: int, *, missing: str, too_big: str) -> dict:
+    """A static planned tree (child-rank paths) for `drafter` at budget d; errors name the missing input."""
+    if not planned:
+        raise ValueError(missing)
+    from vllm_tree_spec.tree import Tree
+
+    if Tree.from_paths(planned).num_nodes > d:
+        raise ValueError(too_big)
+    return {"method": "tree", "drafter": drafter, "model": model, "num_speculative_tokens": d,
+            "tree": planned, "dynamic": False}
+
 def make_config(kind: str, budget: int, draft: str | None = None, fallback: dict | None = None,
                 planned: str | dict[int, str] | None = None, head: str | None = None) -> Config:
     """One configuration at budget D. `planned`: the planned tree's child-rank paths, one for every D or {D: paths}."""
@@ -239,25 +251,15 @@ def make_config(kind: str, budget: int, draft: str | None = None, fallback: dict
                     else {"tree": str([tuple(p) for p in paths]), "dynamic": False,
                           "draft_sampling": "sample_without_replacement"})
     if kind == "tree-eagle3-planned":
-        if not planned:
-            raise ValueError("tree-eagle3-planned needs the head's acceptance profile (measured first unless "
-                             "--profile PROFILE.json or --planned-tree is given)")
-        from vllm_tree_spec.tree import Tree
-
-        if Tree.from_paths(planned).num_nodes > d:
-            raise ValueError(f"the planned tree for D = {d} has more than {d} nodes")
-        spec = {"method": "tree", "drafter": "eagle3", "model": head, "num_speculative_tokens": d,
-                "tree": planned, "dynamic": False}
+        spec = _planned_spec("eagle3", head, planned, d,
+                             missing="tree-eagle3-planned needs the head's acceptance profile (measured first "
+                                     "unless --profile PROFILE.json or --planned-tree is given)",
+                             too_big=f"the planned tree for D = {d} has more than {d} nodes")
     if kind == "tree-draft-planned":
-        if not planned:
-            raise ValueError("tree-draft-planned needs --planned-tree (child-rank paths, e.g. from "
-                             "vllm-tree-spec plan --json)")
-        from vllm_tree_spec.tree import Tree
-
-        if Tree.from_paths(planned).num_nodes > d:
-            raise ValueError(f"--planned-tree has more than D = {d} nodes")
-        spec = {"method": "tree", "drafter": "draft_model", "model": draft, "num_speculative_tokens": d,
-                "tree": planned, "dynamic": False}
+        spec = _planned_spec("draft_model", draft, planned, d,
+                             missing="tree-draft-planned needs --planned-tree (child-rank paths, e.g. from "
+                                     "vllm-tree-spec plan --json)",
+                             too_big=f"--planned-tree has more than D = {d} nodes")
     if spec is None:
         raise ValueError(f"unknown configuration {kind!r}; choose from {', '.join(CONFIG_KINDS)}")
     if kind.endswith("-fallback"):
