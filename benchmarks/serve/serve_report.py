@@ -412,6 +412,16 @@ def acceptance_profiles(rs: list[dict], env: dict) -> dict:
 # Plots
 
 
+
+def _save(fig, path, written: list[str]) -> None:
+    """Lay out, write and close one plot; record its file name."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path.name)
+
 def plots(runs: list[dict], rs: list[dict], out: Path) -> list[str]:
     import matplotlib
 
@@ -433,10 +443,7 @@ def plots(runs: list[dict], rs: list[dict], out: Path) -> list[str]:
         ax.set_title("Throughput vs concurrency")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "throughput_vs_concurrency.png", dpi=110)
-        plt.close(fig)
-        written.append("throughput_vs_concurrency.png")
+        _save(fig, out / "throughput_vs_concurrency.png", written)
     rate = [r for r in ok if r["mode"] == "rate"]
     if rate:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -448,10 +455,7 @@ def plots(runs: list[dict], rs: list[dict], out: Path) -> list[str]:
         ax.set_title("Latency vs request rate")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "latency_vs_rate.png", dpi=110)
-        plt.close(fig)
-        written.append("latency_vs_rate.png")
+        _save(fig, out / "latency_vs_rate.png", written)
     # 2. accepted length vs budget, per drafter family and style, at the lowest load measured
     spec = [r for r in ok if r["tokens_per_round"] is not None and r["budget"]]
     if spec:
@@ -477,10 +481,7 @@ def plots(runs: list[dict], rs: list[dict], out: Path) -> list[str]:
         ax.set_title("Accepted length vs budget (lowest load measured)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "accepted_length_vs_budget.png", dpi=110)
-        plt.close(fig)
-        written.append("accepted_length_vs_budget.png")
+        _save(fig, out / "accepted_length_vs_budget.png", written)
     # 3. acceptance per depth, P(round accepts depth d), per configuration at its lowest load
     best: dict[str, dict] = {}
     for r in ok:
@@ -500,10 +501,7 @@ def plots(runs: list[dict], rs: list[dict], out: Path) -> list[str]:
         ax.set_title("Acceptance per depth (lowest load measured)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=6)
-        fig.tight_layout()
-        fig.savefig(out / "acceptance_per_depth.png", dpi=110)
-        plt.close(fig)
-        written.append("acceptance_per_depth.png")
+        _save(fig, out / "acceptance_per_depth.png", written)
     # 4. inter-token latency CDF (per token), one panel per load level
     keys = sorted({(r["run"]["mode"], r["run"]["level"]) for r in runs if r.get("records")})
     if keys:
@@ -522,10 +520,7 @@ def plots(runs: list[dict], rs: list[dict], out: Path) -> list[str]:
             ax.set_title(f"ITL CDF, {'concurrency' if mode == 'concurrency' else 'rate'} {level:g}")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "itl_cdf.png", dpi=110)
-        plt.close(fig)
-        written.append("itl_cdf.png")
+        _save(fig, out / "itl_cdf.png", written)
     return written
 
 
