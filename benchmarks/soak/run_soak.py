@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from soak_client import (check_records, greedy_mismatches, live_state, make_mix, run_load,  # noqa: E402
-                         summary, wait_drained)
+                         summary, wait_drained, worker_memory)
 
 DEFAULT_SPEC = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 6}
 
@@ -66,6 +66,8 @@ class Poller(threading.Thread):
         super().__init__(daemon=True)
         self.base, self.every, self.stop = base, every, threading.Event()
         self.polls, self.leaks, self.errors, self.peak = 0, [], [], {}
+        self.heap: list[dict] = []  # the workers' heap every 5th poll: does live memory plateau?
+        self.t0 = time.perf_counter()
 
     def run(self):
         from vllm_tree_spec.integration.live_state import counts, leaks
@@ -77,10 +79,30 @@ class Poller(threading.Thread):
                         self.leaks.append(leaks(w))
                     for place, n in counts(w).items():
                         self.peak[place] = max(self.peak.get(place, 0), n)
+                if self.polls % 5 == 0:
+                    self.heap.append({"t_s": round(time.perf_counter() - self.t0, 1),
+                                      "workers": worker_memory(self.base)})
                 self.polls += 1
             except Exception as e:  # noqa: BLE001 (reported)
                 self.errors.append(repr(e))
             self.stop.wait(self.every)
+
+
+class RssSampler(threading.Thread):
+    """RSS of the server's process tree every `every` seconds during a load (both servers: the tree one's
+    growth next to the control's, over time rather than at two points)."""
+
+    def __init__(self, pid: int, every: float = 10.0):
+        super().__init__(daemon=True)
+        self.pid, self.every, self.stop, self.series = pid, every, threading.Event(), []
+        self.t0 = time.perf_counter()
+
+    def run(self):
+        while not self.stop.wait(self.every):
+            try:
+                self.series.append([round(time.perf_counter() - self.t0, 1), tree_rss_mb(self.pid)["total_mb"]])
+            except Exception:  # noqa: BLE001 (a process gone at shutdown)
+                pass
 
 
 def main(argv=None) -> int:
@@ -127,22 +149,30 @@ def main(argv=None) -> int:
                          "problems": check_records(warm, warm_records)[:20]}
         wait_drained(server.base)
         rec["rss_after_warmup"] = tree_rss_mb(server.pid)
+        rec["worker_heap_after_warmup"] = worker_memory(server.base, objects=True)
         print(f"warm-up done: {rec['warmup']}; RSS {rec['rss_after_warmup']['total_mb']} MiB", flush=True)
         poller = Poller(server.base, every=2.0)
         poller.start()
+        sampler = RssSampler(server.pid)
+        sampler.start()
         t0 = time.perf_counter()
         try:
             records = run_load(server.base, reqs, streams=args.streams, timeout_s=args.timeout)
         finally:
             poller.stop.set()
+            sampler.stop.set()
             poller.join(timeout=60)
+        rec["rss_during_load"] = sampler.series
         rec["load_s"] = round(time.perf_counter() - t0, 1)
         state, gauges = wait_drained(server.base)
         rec["rss_end"] = tree_rss_mb(server.pid)
+        # the heap at the end, then after malloc_trim: live memory vs freed memory glibc kept
+        rec["worker_heap_end"] = worker_memory(server.base, trim=True, objects=True)
         rec["live_state_after"] = [counts(w) for w in state]
         rec["gauges_after"] = gauges
         rec["live_state_polls"] = {"polls": poller.polls, "leaks": poller.leaks[:5], "errors": poller.errors[:5],
                                    "peak": poller.peak}
+        rec["worker_heap_during_load"] = poller.heap
         rec["health"] = urllib.request.urlopen(server.base + "/health", timeout=30).status
         m = scrape_metrics(server.base)
         rec["metrics"] = {name: metric_sum(m, name) for name in (
@@ -158,9 +188,13 @@ def main(argv=None) -> int:
         # the same warm-up and RSS points without speculation: the control for the tree server's RSS growth
         run_load(server.base, warm, streams=args.streams, timeout_s=args.timeout, skip_disconnects=True)
         rec["off_rss_after_warmup"] = tree_rss_mb(server.pid)
+        sampler = RssSampler(server.pid)
+        sampler.start()
         t0 = time.perf_counter()
         reference = run_load(server.base, reqs, streams=args.streams, timeout_s=args.timeout, skip_disconnects=True)
         rec["reference_s"] = round(time.perf_counter() - t0, 1)
+        sampler.stop.set()
+        rec["off_rss_during_load"] = sampler.series
         rec["off_rss_end"] = tree_rss_mb(server.pid)
         ref_after = post_json(server.base + "/v1/completions", body)["choices"][0]["text"]
 

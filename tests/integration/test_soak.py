@@ -116,6 +116,11 @@ def test_soak_mixed_load(servers):
     for worker in state:
         assert all(not ids for ids in worker.values()), {k: v for k, v in worker.items() if v}
 
+    from soak_client import worker_memory
+
+    heap = worker_memory(tree.base, trim=True)  # the soak's RSS diagnosis through the same RPC
+    assert heap and all(w["rss_mb"] > 100 and "rss_mb_after_trim" in w for w in heap), heap
+
     assert urllib.request.urlopen(tree.base + "/health", timeout=10).status == 200
     metrics = scrape_metrics(tree.base)
     assert metric_sum(metrics, "vllm_tree_spec:rounds_total") > 0

@@ -78,6 +78,8 @@
         ids held in every per-request place of the plugin, next to vLLM's runner.requests / input batch.
         Why: leak checks after aborts and preemption (tests/integration/test_engine_faults.py, the soak).
         Removal: none needed (a worker method of our own; it reads vLLM's runner attributes only).
+        The workers' `tree_memory` method (worker_memory.py) reads their RSS and glibc heap the same way
+        (optionally after malloc_trim), so the soak tells retained free memory from live memory.
 
 `install()` is what the plugin entry point calls; it applies P1 (inert unless a tree config is given),
 P6 (only when its variable is set) and P8 (inert unless the engine is a tree engine). P2-P4 happen in

@@ -13,6 +13,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from vllm_tree_spec.config import TreeSpecError
 from vllm_tree_spec.integration.gpu_attention import TREE_GPU_BACKENDS
 from vllm_tree_spec.integration.live_state import live_state
+from vllm_tree_spec.integration.worker_memory import heap_stats, python_objects
 from vllm_tree_spec.integration.runner import TreeRunnerMixin
 from vllm_tree_spec.integration.worker import tree_attention_backends
 
@@ -35,3 +36,12 @@ class TreeGPUWorker(Worker):
     def tree_live_state(self) -> dict[str, list[str]]:
         """Request ids held in every per-request place (leak checks: integration/live_state.py)."""
         return live_state(self.model_runner)
+
+    def tree_memory(self, trim: bool | str = False, objects: bool | str = False) -> dict:
+        """The worker's RSS and glibc heap: live vs retained free memory (integration/worker_memory.py).
+        `trim` also runs malloc_trim, `objects` counts Python objects by type (True, or "1" through
+        /collective_rpc, which passes strings)."""
+        out = heap_stats(trim in (True, "1", "true"))
+        if objects in (True, "1", "true"):
+            out.update(python_objects())
+        return out

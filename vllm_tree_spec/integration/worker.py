@@ -14,6 +14,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_tree_spec.integration.live_state import live_state
+from vllm_tree_spec.integration.worker_memory import heap_stats, python_objects
 from vllm_tree_spec.integration.runner import TreeRunnerMixin
 
 TREE_CPU_BACKENDS = {"CPU_ATTN": "vllm_tree_spec.integration.cpu_attention.TreeCPUAttentionBackend"}
@@ -77,3 +78,12 @@ class TreeCPUWorker(CPUWorker):
     def tree_live_state(self) -> dict[str, list[str]]:
         """Request ids held in every per-request place (leak checks: integration/live_state.py)."""
         return live_state(self.model_runner)
+
+    def tree_memory(self, trim: bool | str = False, objects: bool | str = False) -> dict:
+        """The worker's RSS and glibc heap: live vs retained free memory (integration/worker_memory.py).
+        `trim` also runs malloc_trim, `objects` counts Python objects by type (True, or "1" through
+        /collective_rpc, which passes strings)."""
+        out = heap_stats(trim in (True, "1", "true"))
+        if objects in (True, "1", "true"):
+            out.update(python_objects())
+        return out

@@ -1,0 +1,52 @@
+"""The worker heap reader (`integration/worker_memory.py`) that the soak uses to tell live from retained memory."""
+
+import sys
+
+import pytest
+
+from vllm_tree_spec.integration.worker_memory import heap_stats, rss_mb
+
+glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or "heap_mb" not in heap_stats(),
+                           reason="mallinfo2 needs glibc >= 2.33")
+
+
+def test_rss_is_this_process():
+    before = rss_mb()
+    block = bytearray(64 * 2**20)  # zero-filled: every page touched
+    assert rss_mb() - before > 48
+    del block
+
+
+@glibc
+def test_live_and_freed_chunks_are_told_apart():
+    # small chunks live in the heap: in use while held, then free (kept by glibc) after release
+    base = heap_stats()
+    chunks = [bytearray(4096) for _ in range(8192)]  # ~32 MiB below the mmap threshold
+    held = heap_stats()
+    assert held["in_use_mb"] - base["in_use_mb"] > 24
+    del chunks
+    freed = heap_stats(trim=True)
+    assert freed["in_use_mb"] - base["in_use_mb"] < 8
+    assert freed["free_mb_after_trim"] <= freed["free_mb"]
+    assert set(freed) >= {"rss_mb_after_trim", "heap_mb_after_trim", "in_use_mb_after_trim"}
+
+
+@glibc
+def test_large_blocks_are_counted_as_mappings():
+    base = heap_stats()["mmap_mb"]
+    block = bytearray(256 * 2**20)  # above any mmap threshold glibc adapts to (32 MiB at most)
+    assert heap_stats()["mmap_mb"] - base > 200
+    del block
+
+
+def test_python_objects_counts_types():
+    from vllm_tree_spec.integration.worker_memory import python_objects
+
+    class Marker:
+        pass
+
+    held = [Marker() for _ in range(5000)]
+    stats = python_objects()
+    assert stats["top_types"].get("test_python_objects_counts_types.<locals>.Marker", 0) >= 5000
+    assert stats["gc_objects"] >= 5000 and stats["py_allocated_blocks"] > 0
+    del held
