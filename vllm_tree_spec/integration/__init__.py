@@ -80,6 +80,10 @@
         Removal: none needed (a worker method of our own; it reads vLLM's runner attributes only).
         The workers' `tree_memory` method (worker_memory.py) reads their RSS and glibc heap the same way
         (optionally after malloc_trim), so the soak tells retained free memory from live memory.
+        Not a vLLM touch, but process-wide: tree workers call glibc's malloc_trim(0) at most every
+        VLLM_TREE_SPEC_TRIM_INTERVAL_S seconds (default 30, 0: off) between steps (worker_memory.HeapTrimmer),
+        because glibc keeps the freed pages of large per-step tensors resident. Removal: tcmalloc preloaded
+        as vLLM-cpu recommends (then the call is a no-op on an empty glibc heap), or an allocator hook in vLLM.
 
 `install()` is what the plugin entry point calls; it applies P1 (inert unless a tree config is given),
 P6 (only when its variable is set) and P8 (inert unless the engine is a tree engine). P2-P4 happen in

@@ -42,6 +42,7 @@ class TreeGPUWorker(Worker):
         `trim` also runs malloc_trim, `objects` counts Python objects by type (True, or "1" through
         /collective_rpc, which passes strings)."""
         out = heap_stats(trim in (True, "1", "true"))
+        out["heap_trims"] = self.model_runner._tree_heap.trims  # the periodic ones (HeapTrimmer)
         if objects in (True, "1", "true"):
             out.update(python_objects())
         return out

@@ -45,6 +45,7 @@ from vllm_tree_spec.integration.stats import TreeStats
 from vllm_tree_spec.integration.tree_sampler import (PLACEHOLDER_TOKEN_ID, sample_without_trees, tree_sample,
                                                     unsupported_reason)
 from vllm_tree_spec.integration.tree_step import TreeRequestStep, TreeStep, TreeStepMeta
+from vllm_tree_spec.integration.worker_memory import HeapTrimmer
 from vllm_tree_spec.tree import TreeBatch
 
 logger = init_logger(__name__)
@@ -85,6 +86,7 @@ class TreeRunnerMixin:
         self._tree_skip_logged: set[str] = set()
         self._tree_committed: dict[str, list[int]] = {}
         self.tree_stats = TreeStats(max_depth=self.tree_cfg.num_slots)
+        self._tree_heap = HeapTrimmer()  # RSS stays flat over a long serve (worker_memory.py)
 
     # -- checks after the model is built --------------------------------------------------------
 
@@ -303,6 +305,7 @@ class TreeRunnerMixin:
     def _sample(self, logits, spec_decode_metadata):
         step = self._tree_step
         self._tree_committed = {}  # req_id -> flattened rows committed this step (tree requests)
+        self._tree_heap.maybe_trim()  # between steps' large temporaries: the last step's are freed
         self.input_batch.update_async_output_token_ids()
         if not step:  # every row through the plugin's sampler, with or without spec-decode metadata
             return sample_without_trees(self, logits, spec_decode_metadata)
