@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from vllm_tree_spec.integration.adapters import StandardAttentionAdapter
 from vllm_tree_spec.integration.runner import TreeRunnerMixin
 from vllm_tree_spec.integration.stats import TreeStats
+from vllm_tree_spec.integration.worker_memory import HeapTrimmer
 from vllm_tree_spec.integration.tree_step import TreeStep
 from vllm_tree_spec.tree import Tree
 from vllm_tree_spec.verify import Mode
@@ -68,6 +69,7 @@ def make_step(batch_size: int, nodes: int, *, seed: int = 0, vocab: int = 512, m
     r.drafter = SimpleNamespace(observes_target=False)  # a proposer whose drafter reads no target rows
     r.tree_stats = TreeStats(max_depth=nodes)
     r._tree_step, r._tree_committed, r._tree_drafts = TreeStep([]), {}, {}
+    r._tree_heap = HeapTrimmer(0)  # the runner's periodic heap trim, off: steps here are timed and counted
     req_ids = [f"r{b}" for b in range(batch_size)]
     blocks_per_req = -(-(context + batch_size + nodes + 2) // block_size)
     num_blocks = batch_size * blocks_per_req + 1
