@@ -49,9 +49,9 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / _MB
 
 
-def python_objects(top: int = 20) -> dict:
-    """Python's share: pymalloc blocks in use, objects the collector tracks, and the most numerous types
-    (a per-request accumulation in Python code shows up here; a native one does not)."""
+def python_objects(top: int | None = 20) -> dict:
+    """Python's share: pymalloc blocks in use, objects the collector tracks, and the `top` most numerous
+    types (None: all); a per-request accumulation in Python code shows up here, a native one does not."""
     import collections
     import gc
     import sys
