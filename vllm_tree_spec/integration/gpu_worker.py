@@ -12,17 +12,15 @@ from vllm.v1.worker.gpu_worker import Worker
 
 from vllm_tree_spec.config import TreeSpecError
 from vllm_tree_spec.integration.gpu_attention import TREE_GPU_BACKENDS
-from vllm_tree_spec.integration.live_state import live_state
-from vllm_tree_spec.integration.worker_memory import heap_stats, python_objects
 from vllm_tree_spec.integration.runner import TreeRunnerMixin
-from vllm_tree_spec.integration.worker import tree_attention_backends
+from vllm_tree_spec.integration.worker import TreeWorkerProbes, tree_attention_backends
 
 
 class TreeGPUModelRunner(TreeRunnerMixin, GPUModelRunner):
     pass
 
 
-class TreeGPUWorker(Worker):
+class TreeGPUWorker(TreeWorkerProbes, Worker):
     def _make_model_runner(self) -> TreeGPUModelRunner:
         if self.use_v2_model_runner:
             raise TreeSpecError("tree speculation runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER "
@@ -32,17 +30,3 @@ class TreeGPUWorker(Worker):
     def load_model(self, *args, **kwargs):
         with tree_attention_backends(TREE_GPU_BACKENDS):
             return super().load_model(*args, **kwargs)
-
-    def tree_live_state(self) -> dict[str, list[str]]:
-        """Request ids held in every per-request place (leak checks: integration/live_state.py)."""
-        return live_state(self.model_runner)
-
-    def tree_memory(self, trim: bool | str = False, objects: bool | str = False) -> dict:
-        """The worker's RSS and glibc heap: live vs retained free memory (integration/worker_memory.py).
-        `trim` also runs malloc_trim, `objects` counts Python objects by type (True, or "1" through
-        /collective_rpc, which passes strings)."""
-        out = heap_stats(trim in (True, "1", "true"))
-        out["heap_trims"] = self.model_runner._tree_heap.trims  # the periodic ones (HeapTrimmer)
-        if objects in (True, "1", "true"):
-            out.update(python_objects())
-        return out

@@ -52,11 +52,29 @@ def tree_cpu_attention():
     return tree_attention_backends(TREE_CPU_BACKENDS)
 
 
+class TreeWorkerProbes:
+    """Read-only worker methods of every tree worker, reachable through vLLM's collective_rpc."""
+
+    def tree_live_state(self) -> dict[str, list[str]]:
+        """Request ids held in every per-request place (leak checks: integration/live_state.py)."""
+        return live_state(self.model_runner)
+
+    def tree_memory(self, trim: bool | str = False, objects: bool | str = False) -> dict:
+        """The worker's RSS and glibc heap: live vs retained free memory (integration/worker_memory.py).
+        `trim` also runs malloc_trim, `objects` counts Python objects by type (True, or "1" through
+        /collective_rpc, which passes strings)."""
+        out = heap_stats(trim in (True, "1", "true"))
+        out["heap_trims"] = self.model_runner._tree_heap.trims  # the periodic ones (HeapTrimmer)
+        if objects in (True, "1", "true"):
+            out.update(python_objects())
+        return out
+
+
 class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
     pass
 
 
-class TreeCPUWorker(CPUWorker):
+class TreeCPUWorker(TreeWorkerProbes, CPUWorker):
     def load_model(self, *args, **kwargs):
         with tree_cpu_attention():
             return super().load_model(*args, **kwargs)
@@ -74,17 +92,3 @@ class TreeCPUWorker(CPUWorker):
             cpu_worker_mod.CPUModelRunner = original
         assert isinstance(self.model_runner, TreeCPUModelRunner), (
             "tree speculation needs the V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
-
-    def tree_live_state(self) -> dict[str, list[str]]:
-        """Request ids held in every per-request place (leak checks: integration/live_state.py)."""
-        return live_state(self.model_runner)
-
-    def tree_memory(self, trim: bool | str = False, objects: bool | str = False) -> dict:
-        """The worker's RSS and glibc heap: live vs retained free memory (integration/worker_memory.py).
-        `trim` also runs malloc_trim, `objects` counts Python objects by type (True, or "1" through
-        /collective_rpc, which passes strings)."""
-        out = heap_stats(trim in (True, "1", "true"))
-        out["heap_trims"] = self.model_runner._tree_heap.trims  # the periodic ones (HeapTrimmer)
-        if objects in (True, "1", "true"):
-            out.update(python_objects())
-        return out
