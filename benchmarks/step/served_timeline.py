@@ -7,7 +7,7 @@ serving path changes). Per call it records the worker's `execute_model` (input p
 thread's CPU, system time, page faults and context switches.
 
 Servers are started as users start them (`vllm-tree-spec serve`, serve_launch.py) with the same model, seed and
-limits; only `--speculative-config` differs:
+limits; only `--speculative-config` differs (`stage_profile.ENGINES`):
 
     tree     {"method": "tree", "drafter": "ngram", "tree": "chain:6", "num_speculative_tokens": 6,
               "budgets": {"1024": 6}, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -40,12 +40,12 @@ import sys
 import time
 from pathlib import Path
 
-from vllm_tree_spec.models import smollm2
-from vllm_tree_spec.serve_launch import launched, post_json
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from stage_profile import ENGINES as SPECS  # noqa: E402  (the in-process profile's two engines, unchanged)
 
-SPECS = {"tree": {"method": "tree", "drafter": "ngram", "tree": "chain:6", "num_speculative_tokens": 6,
-                  "budgets": {"1024": 6}, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-         "linear": {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1, "prompt_lookup_max": 3}}
+from vllm_tree_spec.models import smollm2  # noqa: E402
+from vllm_tree_spec.serve_launch import launched, post_json  # noqa: E402
+
 PROMPTS = ["def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n" * 3,
            "Explain, step by step, how a hash map handles collisions, and give an example in Python.",
            "List the planets of the solar system with one fact about each."]
