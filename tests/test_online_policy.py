@@ -271,3 +271,33 @@ def test_tensor_parallel_ranks_take_the_first_ranks_plans():
         eng1.step()
         assert {b: p.key for b, p in rank0.plans.items()} == {b: p.key for b, p in rank1.plans.items()}
     assert rank0.changes >= 1 and rank1.changes == rank0.changes and rank1.explore_period == rank0.explore_period
+
+
+def test_a_short_load_is_planned_before_the_periodic_replan():
+    """A bucket gets one early re-plan once it has MIN_STEPS clean steps: a load shorter than
+    `replan_every` is still planned (here the periodic re-plan never comes)."""
+    pol = OnlinePolicy(8, replan_every=10_000, explore_every=8)
+    eng = Engine(pol, ShapeDrafter(wide_shape(4, 2)), [0.8], line(5.0, 0.4)).run(120)
+    plan = plan_of(eng)
+    assert plan.kind == "tree" and plan.shape.is_chain(), (plan, eng.history)
+    assert pol.replans == 1 and pol.early == {4}, (pol.replans, pol.early)  # once per bucket, not every step
+    eng.run(200)
+    assert pol.replans == 1
+
+
+def test_without_early_replans_the_same_load_keeps_the_full_tree():
+    """The negative control of the test above: with the early re-plan disabled the bucket stays `full`."""
+    pol = OnlinePolicy(8, replan_every=10_000, explore_every=8)
+    pol._early_replan_due = lambda: False
+    eng = Engine(pol, ShapeDrafter(wide_shape(4, 2)), [0.8], line(5.0, 0.4)).run(120)
+    assert plan_of(eng) == FULL and pol.replans == 0
+
+
+def test_an_unplanned_bucket_borrows_the_nearest_planned_one():
+    pol = OnlinePolicy(8)
+    assert pol.plan_for(16) == FULL  # nothing planned yet: the drafter's own tree
+    chain2, chain4 = Plan.of(Tree.chain(2)), Plan.of(Tree.chain(4))
+    pol.plans = {2: chain4, 8: chain2}
+    assert pol.plan_for(2) == chain4 and pol.plan_for(8) == chain2
+    assert pol.plan_for(3) == chain4  # bucket 4: as near to 2 as to 8, the smaller bucket wins
+    assert pol.plan_for(1) == chain4 and pol.plan_for(64) == chain2 and pol.plan_for(16) == chain2

@@ -12,7 +12,10 @@ Both sides of that trade are measured while serving, per drafter:
                          whose rows differ), and the draft ms of steps that
                          drafted / did not draft
 
-Every `replan_every` steps the policy re-plans each bucket: Sequoia's DP
+Every `replan_every` steps the policy re-plans each bucket, and once, early, as soon as a bucket that was
+never planned has its first MIN_STEPS clean steps (a load that lasts less than `replan_every` steps is
+still planned). Until then a bucket drafts the plan of the nearest planned bucket (the drafter's full tree
+when there is none). Re-planning runs Sequoia's DP
 (`planner.candidate_trees`) on a[d][r] gives the best tree of every size; each
 is scored as expected tokens per step over predicted step ms,
 
@@ -441,7 +444,8 @@ class OnlinePolicy:
         self.clock, self.sync = clock, sync
         self.profile = AcceptanceProfile(self.max_depth)
         self.costs: dict[int, BucketCosts] = {}
-        self.plans: dict[int, Plan] = {}  # bucket -> plan (absent = FULL)
+        self.plans: dict[int, Plan] = {}  # bucket -> plan (absent: the nearest planned bucket's, else FULL)
+        self.early: set[int] = set()  # buckets that triggered their one early re-plan
         self.measured: dict[int, _Measured] = {}
         self.explore_period = explore_every
         self.drifted = False  # a bucket's cost moved away from its fit in this re-plan
@@ -456,7 +460,17 @@ class OnlinePolicy:
     # -- what to draft --------------------------------------------------------
 
     def plan_for(self, batch_size: int) -> Plan:
-        return self.plans.get(bucket_of(batch_size), FULL)
+        return self._current(bucket_of(batch_size))
+
+    def _current(self, bucket: int) -> Plan:
+        """The bucket's plan; an unplanned bucket borrows the nearest planned one's (ties: the smaller
+        bucket), since a neighbouring batch size is a better guess than the unpruned tree."""
+        if bucket in self.plans:
+            return self.plans[bucket]
+        if not self.plans:
+            return FULL
+        near = min(self.plans, key=lambda b: (abs(math.log2(b) - math.log2(bucket)), b))
+        return self.plans[near]
 
     def exploring(self) -> bool:
         """Whether the current step explores (deterministic: a step counter)."""
@@ -495,7 +509,7 @@ class OnlinePolicy:
         """Advance the step counter; re-plan every `replan_every` steps. Returns the decisions made."""
         self.steps += 1
         self.steps_since_replan += 1
-        if self.steps_since_replan < self.replan_every:
+        if self.steps_since_replan < self.replan_every and not self._early_replan_due():
             return []
         t0 = self.clock()
         decisions = self.replan()
@@ -504,6 +518,16 @@ class OnlinePolicy:
         return [dataclasses.replace(d, replan_ms=self.last_replan_ms) for d in decisions]
 
     # -- planning -------------------------------------------------------------
+
+    def _early_replan_due(self) -> bool:
+        """A never-planned bucket has its first MIN_STEPS clean steps (once per bucket). Clean steps are
+        read from committed tokens, the same on every tensor-parallel rank, so every rank re-plans at the
+        same step."""
+        if self.rounds_seen < MIN_ROUNDS:
+            return False
+        due = [b for b, c in self.costs.items() if b not in self.plans and b not in self.early and c.w >= MIN_STEPS]
+        self.early.update(due)
+        return bool(due)
 
     def _pooled_slope(self) -> float | None:
         """ms per row over every bucket's consecutive steps (for buckets whose rows never varied)."""
@@ -566,7 +590,7 @@ class OnlinePolicy:
         return decisions
 
     def _replan_bucket(self, b: int, cands: list[Plan], yields: dict, a, f, pooled) -> Decision | None:
-        old = self.plans.get(b, FULL)
+        old = self._current(b)
         old_yield = yields.get(old.key) or self._yield(old, a, f)
         if old.kind == "full" and math.isnan(old_yield[0]):  # `full` itself too rarely measured: its expectation
             tokens, nodes = self.profile.full_tokens, self.profile.full_nodes
@@ -592,8 +616,8 @@ class OnlinePolicy:
         measured = (Prediction(m.tokens / m.rounds if m.rounds else 1.0, m.step_ms / m.steps)
                     if m is not None and m.steps >= 1 else None)
         d = Decision(b, old, best, old_pred, best_pred, measured, m.steps if m is not None else 0.0)
+        self.plans[b] = best  # planned from its own measurements now (it no longer borrows a neighbour's)
         if d.changed:
-            self.plans[b] = best
             self.changes += 1
         return d
 
