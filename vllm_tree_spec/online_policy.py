@@ -15,7 +15,7 @@ Both sides of that trade are measured while serving, per drafter:
 Every `replan_every` steps the policy re-plans each bucket, and once, early, as soon as a bucket that was
 never planned has its first MIN_STEPS clean steps (a load that lasts less than `replan_every` steps is
 still planned). Until then a bucket drafts the plan of the nearest planned bucket (the drafter's full tree
-when there is none). Re-planning runs Sequoia's DP
+when there is none). At a re-plan Sequoia's DP
 (`planner.candidate_trees`) on a[d][r] gives the best tree of every size; each
 is scored as expected tokens per step over predicted step ms,
 
