@@ -5,11 +5,14 @@ tree of `nodes` draft nodes (a complete binary tree). Providers, per layer:
 
   stock_causal   vLLM's `cpu_attention_with_kv_cache` for B causal sequences of
                  nodes + 1 rows (what linear speculation with `nodes` drafts costs)
-  tree_split     `TreeCPUAttentionImpl._tree_forward`: the same kernel call with
-                 the tree requests split into prefix-only rows, the side
-                 log-sum-exp, the tree part and the merge (the per-step plan is
-                 built once per step and shared by every layer, so it is not timed;
-                 `plan_ms` reports it)
+  tree_kernel    `TreeCPUAttentionImpl._tree_forward` on its default path: the same
+                 kernel call with the tree requests' rows as 1-key placeholders, then
+                 the C++ tree kernel (`kernels/cpu_tree_attention.cpp`) for the root and
+                 nodes of every branching tree (the per-step plan is built once per
+                 step and shared by every layer, so it is not timed; `plan_ms` reports it)
+  tree_split     the same override on its split path (VLLM_TREE_SPEC_CPU_TREE_KERNEL=0):
+                 vLLM's kernel with the tree requests split into prefix-only rows, the
+                 side log-sum-exp, the tree part and the merge
   previous       what this override did before the one-pass split: the stock kernel on
                  every row, then every node recomputed by SDPA over a padded B x S_max
                  gather of its request's K/V (kept here as the baseline of the change)
@@ -18,13 +21,15 @@ tree of `nodes` draft nodes (a complete binary tree). Providers, per layer:
                  op would save
 
 Providers are timed interleaved (round-robin), `repeats` rounds, median per
-provider; ratio = tree_split / stock_causal (target <= 1.10). A correctness gate
-compares tree_split with the float64 per-node path oracle first. Shape: SmolLM2-135M
-attention (9 query heads, 3 kv heads, head_dim 64, float32, block 128), one thread
-(OMP_NUM_THREADS=1), as in the CPU tests.
+provider; ratio = tree_kernel / stock_causal (target <= 1.10), split_ratio =
+tree_split / stock_causal. A correctness gate compares both tree paths with the
+float64 per-node path oracle first. Shape: SmolLM2-135M attention (9 query heads,
+3 kv heads, head_dim 64, block 128; float32, or --dtype bfloat16 as served), one
+thread (OMP_NUM_THREADS=1) unless OMP_NUM_THREADS says otherwise.
 
     OMP_NUM_THREADS=1 python benchmarks/kernels/bench_cpu_tree_attention.py           # ~3 min on 1 core
     OMP_NUM_THREADS=1 python benchmarks/kernels/bench_cpu_tree_attention.py --quick
+    OMP_NUM_THREADS=1 python benchmarks/kernels/bench_cpu_tree_attention.py --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import platform
 import statistics
 import sys
@@ -104,15 +110,24 @@ def providers(case) -> dict:
         ops.cpu_attention_with_kv_cache(case.query, kc, vc, out, md.query_start_loc, md.seq_lens, case.impl.scale,
                                         True, None, -1, md.block_table, 0.0, case.sched, None)
 
+    from vllm_tree_spec.integration.tree_step import TreeStep
+
+    steps = {"kernel": TreeStep(case.reqs), "split": TreeStep(case.reqs)}  # one cached plan per path
+    for path, step in steps.items():
+        with _path(path):
+            case.impl._tree_forward(case.layer, step, case.query, kv, md, out)  # builds the step's plan
+
     def tree():
-        case.impl._tree_forward(case.layer, case.step, case.query, kv, md, out)
+        case.impl._tree_forward(case.layer, steps["kernel"], case.query, kv, md, out)
+
+    def split():
+        case.impl._tree_forward(case.layer, steps["split"], case.query, kv, md, out)
 
     def previous():
         stock()
         previous_tree_rows(case, out)
 
-    tree()  # builds and caches the step's plan (shared by every layer of a real step)
-    plan = next(iter(case.step._cpu_attn_plans.values()))
+    plan = next(iter(steps["split"]._cpu_attn_plans.values()))
     q = case.query.view(-1, KV_HEADS, HEADS // KV_HEADS, HEAD_DIM)[plan.nodes.rows].float() if plan.merged else None
 
     def lse_only():
@@ -122,11 +137,30 @@ def providers(case) -> dict:
                                   scale=case.impl.scale, softcap=0)
 
     def plan_build():
-        case.step.__dict__.pop("_cpu_attn_plans", None)
-        cpu_attention._plan(case.step, md, BLOCK, 0, HEADS, KV_HEADS, HEAD_DIM, case.dtype, "vec", "auto")
+        step = TreeStep(case.reqs)
+        cpu_attention._plan(step, md, BLOCK, 0, HEADS, KV_HEADS, HEAD_DIM, case.dtype, "vec", "auto")
 
-    return {"stock_causal": stock, "tree_split": tree, "previous": previous, "lse_only": lse_only,
-            "plan": plan_build}
+    return {"stock_causal": stock, "tree_kernel": tree, "tree_split": split, "previous": previous,
+            "lse_only": lse_only, "plan": plan_build}
+
+
+class _path:
+    """Build plans on one tree path: "kernel" (the default) or "split"."""
+
+    def __init__(self, path: str):
+        from vllm_tree_spec.integration.cpu_attention import KERNEL_ENV
+
+        self.env, self.value = KERNEL_ENV, "1" if path == "kernel" else "0"
+
+    def __enter__(self):
+        self.old = os.environ.get(self.env)
+        os.environ[self.env] = self.value
+
+    def __exit__(self, *exc):
+        if self.old is None:
+            os.environ.pop(self.env, None)
+        else:
+            os.environ[self.env] = self.old
 
 
 def previous_tree_rows(case, out) -> None:
@@ -157,13 +191,14 @@ def previous_tree_rows(case, out) -> None:
     out.view(-1, HEADS * HEAD_DIM)[rows.flatten()] = res.transpose(1, 2).reshape(rows.numel(), -1)
 
 
-def correctness(case) -> float:
-    """Max |tree_split - float64 path oracle| over every node row."""
+def correctness(case, path: str) -> float:
+    """Max |tree path - float64 path oracle| over every node row."""
     from vllm_tree_spec.integration.kv_layout import cpu_gather
+    from vllm_tree_spec.integration.tree_step import TreeStep
 
     out = torch.zeros_like(case.query)
-    case.step.__dict__.pop("_cpu_attn_plans", None)
-    case.impl._tree_forward(case.layer, case.step, case.query, case.kv_cache, case.md, out)
+    with _path(path):
+        case.impl._tree_forward(case.layer, TreeStep(case.reqs), case.query, case.kv_cache, case.md, out)
     worst = 0.0
     g = HEADS // KV_HEADS
     for r in case.reqs:
@@ -181,16 +216,21 @@ def correctness(case) -> float:
 
 
 def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: float = 270.0,
-        repeats: int | None = None, shape: str = "binary") -> dict:
+        repeats: int | None = None, shape: str = "binary", dtype: torch.dtype = torch.float32) -> dict:
+    from vllm_tree_spec.integration.cpu_attention import use_tree_kernel
+
+    if not use_tree_kernel():
+        raise SystemExit("the C++ tree kernel is not available here (see cpu_tree_attention_launch.available())")
     grid = QUICK_GRID if quick else FULL_GRID
     repeats = repeats or (3 if quick else 7)
-    gate = make_case(2, 300 if not quick else 40, 6, seed=1, shape=shape)
-    err = correctness(gate)
-    report = {"tree": shape, "shape": f"H_q={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, block={BLOCK}, float32",
+    gate = make_case(2, 300 if not quick else 40, 6, seed=1, shape=shape)  # float32: a tight gate
+    err = {path: correctness(gate, path) for path in ("kernel", "split")}
+    report = {"tree": shape, "shape": f"H_q={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, block={BLOCK}, "
+                                      f"{str(dtype).replace('torch.', '')}",
               "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-              "correctness_max_abs_err": err, "ok": err < 2e-5, "results": []}
+              "correctness_max_abs_err": err, "ok": max(err.values()) < 2e-5, "results": []}
     if not report["ok"]:
-        raise AssertionError(f"tree_split differs from the float64 oracle by {err}")
+        raise AssertionError(f"a tree path differs from the float64 oracle: {err}")
     t_start = time.perf_counter()
     for nodes in grid["nodes"]:
         for context in grid["context"]:
@@ -198,7 +238,7 @@ def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: f
                 if time.perf_counter() - t_start > time_budget_s:
                     report.setdefault("skipped", []).append((batch, context, nodes))
                     continue
-                case = make_case(batch, context, nodes, shape=shape)
+                case = make_case(batch, context, nodes, shape=shape, dtype=dtype)
                 fns = providers(case)
                 for fn in fns.values():
                     fn()  # warm-up
@@ -213,21 +253,24 @@ def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: f
                 med = {name: statistics.median(ts) for name, ts in times.items()}
                 row = {"tree": shape, "batch": batch, "context": context, "nodes": nodes,
                        **{f"{k}_ms": v for k, v in med.items()},
-                       "ratio": med["tree_split"] / med["stock_causal"]}
+                       "ratio": med["tree_kernel"] / med["stock_causal"],
+                       "split_ratio": med["tree_split"] / med["stock_causal"]}
                 report["results"].append(row)
                 print(f"B={batch:3d} ctx={context:5d} nodes={nodes}: stock {med['stock_causal']:.3f} ms, "
-                      f"tree {med['tree_split']:.3f} ms ({row['ratio']:.2f}x), previous {med['previous']:.3f} ms "
+                      f"kernel {med['tree_kernel']:.3f} ms ({row['ratio']:.2f}x), "
+                      f"split {med['tree_split']:.3f} ms ({row['split_ratio']:.2f}x), previous {med['previous']:.3f} ms "
                       f"({med['previous'] / med['stock_causal']:.2f}x), lse {med['lse_only']:.3f} ms, "
                       f"plan {med['plan']:.3f} ms", flush=True)
     md = [f"## CPU tree attention vs the stock kernel ({shape} trees)", "",
           f"{report['shape']}, {report['threads']} thread(s), {repeats} interleaved rounds, median; "
-          f"correctness gate max |err| = {err:.1e}", "",
-          "| batch | context | nodes | stock causal ms | tree split ms | ratio | previous ms | ratio | side LSE ms "
-          "| plan ms (per step) |",
-          "|---|---|---|---|---|---|---|---|---|---|"]
+          f"correctness gate max |err| = {max(err.values()):.1e}", "",
+          "| batch | context | nodes | stock causal ms | tree kernel ms | ratio | tree split ms | ratio "
+          "| previous ms | ratio | side LSE ms | plan ms (per step) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         md.append(f"| {r['batch']} | {r['context']} | {r['nodes']} | {r['stock_causal_ms']:.3f} | "
-                  f"{r['tree_split_ms']:.3f} | {r['ratio']:.2f} | {r['previous_ms']:.3f} | "
+                  f"{r['tree_kernel_ms']:.3f} | {r['ratio']:.2f} | {r['tree_split_ms']:.3f} | {r['split_ratio']:.2f} | "
+                  f"{r['previous_ms']:.3f} | "
                   f"{r['previous_ms'] / r['stock_causal_ms']:.2f} | {r['lse_only_ms']:.3f} | {r['plan_ms']:.3f} |")
     if out_dir is not None:
         out = Path(out_dir)
@@ -243,11 +286,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--tree", default="binary", choices=["binary", "chain"], help="draft tree shape (15 nodes)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args(argv)
     root = Path(__file__).resolve().parents[2]
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
-    run(quick=args.quick, out_dir=args.out, repeats=args.repeats, time_budget_s=1e9, shape=args.tree)
+    run(quick=args.quick, out_dir=args.out, repeats=args.repeats, time_budget_s=1e9, shape=args.tree,
+        dtype=getattr(torch, args.dtype))
     return 0
 
 

@@ -4,7 +4,8 @@ Covers what the tiny Llama engine tests do not: sliding windows (measured in
 positions), softcap, attention sinks, GQA ratios, several requests with
 different trees and shuffled cache blocks, bf16 caches. K/V are written with
 vLLM's own cache op, so the test also pins our reading of the cache layout, for
-each ISA: vec, vec16 and (bf16, CPUs with AMX tiles only) amx.
+each ISA: vec, vec16 and (bf16, CPUs with AMX tiles only) amx, and for both paths
+of branching trees: the C++ tree kernel and the split (vLLM's kernel + side log-sum-exp + merge).
 """
 
 import math
@@ -84,10 +85,16 @@ AMX = pytest.mark.skipif(not kv_layout.amx_available(),
     pytest.param(torch.bfloat16, 64, 1, 4, 6, 3.0, True, "amx", marks=AMX),
     pytest.param(torch.bfloat16, 128, 2, 3, 0, 0.0, True, "amx", marks=AMX),
 ])
-def test_tree_rows_match_path_oracle(dtype, head_dim, hkv, g, window, softcap, sinks, isa):
+@pytest.mark.parametrize("path", ["kernel", "split"])
+def test_tree_rows_match_path_oracle(dtype, head_dim, hkv, g, window, softcap, sinks, isa, path, monkeypatch):
     from vllm import _custom_ops as ops
 
+    from vllm_tree_spec.integration import cpu_attention
     from vllm_tree_spec.integration.cpu_attention import TreeCPUAttentionImpl
+
+    monkeypatch.setenv(cpu_attention.KERNEL_ENV, "1" if path == "kernel" else "0")
+    if path == "kernel" and not cpu_attention.use_tree_kernel():
+        pytest.skip(cpu_attention.tree_kernel.available()[1])
 
     rng = random.Random(head_dim * 7 + g)
     torch.manual_seed(head_dim + g)

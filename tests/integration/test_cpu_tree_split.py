@@ -252,5 +252,6 @@ def test_cpu_benchmark_quick(tmp_path, monkeypatch):
 
     report = bench.run(quick=True, out_dir=tmp_path, repeats=1)
     assert report["ok"] and report["results"]
-    assert all(r["stock_causal_ms"] > 0 and r["tree_split_ms"] > 0 for r in report["results"])
+    assert all(r["stock_causal_ms"] > 0 and r["tree_kernel_ms"] > 0 and r["tree_split_ms"] > 0
+               for r in report["results"])
     assert "CPU tree attention" in (tmp_path / "bench_cpu_tree_attention.md").read_text()

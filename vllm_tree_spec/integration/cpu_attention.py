@@ -1,17 +1,25 @@
 """Tree-masked attention on vLLM's CPU backend (an override of CPU_ATTN), one pass per layer.
 
 vLLM's CPU kernel knows causal, sliding-window and per-sequence causal masks,
-not tree masks. In a tree step the override calls the kernel once for every
-row of the step, with metadata in which each tree request's root and nodes are
-one non-causal sequence over the prefix slots (committed prefix + root): exact
-for the root, and the prefix part of every node. Each node's output is then
-merged with its tree part (its ancestors-or-self among the step's nodes) by
-log-sum-exp weights (`cpu_tree_split.py` has the math); the prefix's
-log-sum-exp is computed on the side from the paged cache, because vLLM's op
-does not return it. Ordinary rows (prefill, plain decode) and chain-shaped
-trees (whose causal mask is their tree mask) go through the same call
-unchanged, with no merge: a chain costs what linear speculation costs. Positions are depth-based, so a sliding window is measured in
-positions; there the prefix part is computed over the window only. Softcap and
+not tree masks. In a tree step the override calls vLLM's kernel once for every
+row of the step. Ordinary rows (prefill, plain decode) and chain-shaped trees
+(whose causal mask is their tree mask) go through that call unchanged: a chain
+costs what linear speculation costs. The root and nodes of each branching tree
+are computed by one of two exact paths:
+
+    kernel (default)  the C++ tree kernel (`kernels/cpu_tree_attention.cpp`) reads each
+                      request's prefix blocks once for its root, nodes and query heads,
+                      with the tree mask, window, softcap and sinks; in vLLM's call these
+                      rows are a 1-key placeholder sequence, then overwritten
+    split             vLLM's call computes the prefix part of the root and nodes (one
+                      non-causal sequence over the prefix slots), and each node is merged
+                      with its tree part by log-sum-exp weights, the prefix's log-sum-exp
+                      recomputed on the side (`cpu_tree_split.py`). Used where the kernel
+                      cannot be built (no C++ compiler: logged once at model load) or with
+                      VLLM_TREE_SPEC_CPU_TREE_KERNEL=0
+
+Positions are depth-based, so a sliding window is measured in positions; on the split
+path the prefix part is then computed over the window only. Softcap and
 attention sinks follow the kernel's math; ALiBi and quantised KV caches are
 refused at model load (`tree_check`), a cache layout the plugin cannot read once
 the cache exists (`tree_check_cache`: vec, vec16 and, for bf16 on AMX CPUs, amx
@@ -27,6 +35,8 @@ vLLM's documented backend registry.
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +48,31 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from vllm_tree_spec.integration import cpu_tree_split as split
 from vllm_tree_spec.integration import kv_layout
 from vllm_tree_spec.integration.tree_step import TreeStep
+from vllm_tree_spec.kernels import cpu_tree_attention_launch as tree_kernel
+
+KERNEL_ENV = "VLLM_TREE_SPEC_CPU_TREE_KERNEL"  # "0": the split path even where the kernel builds
+
+
+def use_tree_kernel() -> bool:
+    """Whether branching trees go through the C++ tree kernel (built once per machine, cached)."""
+    return os.environ.get(KERNEL_ENV, "1") != "0" and tree_kernel.available()[0]
+
+
+@functools.cache
+def prepare_tree_kernel() -> bool:
+    """Build the kernel at model load (not in the first tree step) and say which path serves."""
+    from vllm.logger import init_logger
+
+    log = init_logger(__name__)
+    if os.environ.get(KERNEL_ENV, "1") == "0":
+        log.info("tree attention on CPU: split path (%s=0)", KERNEL_ENV)
+        return False
+    ok, why = tree_kernel.available()
+    if ok:
+        log.info("tree attention on CPU: C++ tree kernel (ready in %.1f s)", tree_kernel.load())
+    else:
+        log.warning("tree attention on CPU: split path, slower for branching trees (exact either way): %s", why)
+    return ok
 
 
 @dataclass
@@ -47,8 +82,28 @@ class _Plan:
     kernel: split.KernelSplit
     scheduler_metadata: torch.Tensor
     merged: TreeStep  # the branching trees (chains need no merge)
-    nodes: split.NodeRows | None  # their nodes (None: nothing to merge)
-    blocks: split.PrefixBlocks | None  # their prefix blocks, windowed layers only
+    nodes: split.NodeRows | None  # their nodes (split path; None: nothing to merge)
+    blocks: split.PrefixBlocks | None  # their prefix blocks, windowed layers only (split path)
+    tree_args: dict | None = None  # the tree kernel's request tensors (kernel path)
+
+
+def _kernel_requests(step: TreeStep, block_table: torch.Tensor, block_size: int, num_kv_heads: int) -> dict:
+    """Request tensors of `cpu_tree_attention` for the branching trees of a step."""
+    reqs = step.requests
+    n = max(r.num_nodes for r in reqs)
+    anc = torch.zeros(len(reqs), n, n, dtype=torch.bool)
+    depth = torch.ones(len(reqs), n, dtype=torch.long)
+    for b, r in enumerate(reqs):
+        anc[b, : r.num_nodes, : r.num_nodes] = r.tree.ancestor_mask
+        depth[b, : r.num_nodes] = r.tree.depth
+    root_pos = [r.root_pos for r in reqs]
+    return dict(root_row=torch.tensor([r.root_row for r in reqs], dtype=torch.long),
+                root_pos=torch.tensor(root_pos, dtype=torch.long),
+                num_nodes=torch.tensor([r.num_nodes for r in reqs], dtype=torch.long),
+                block_table=block_table[torch.tensor([r.req_index for r in reqs], dtype=torch.long)],
+                anc=anc, depth=depth,
+                blocks_per_split=tree_kernel.default_blocks_per_split([p // block_size + 1 for p in root_pos],
+                                                                      num_kv_heads))
 
 
 def _plan(step: TreeStep, attn_metadata, block_size: int, window: int, num_heads: int, num_kv_heads: int,
@@ -59,17 +114,21 @@ def _plan(step: TreeStep, attn_metadata, block_size: int, window: int, num_heads
     if key in cache:
         return cache[key]
     causal = attn_metadata.dynamic_causal if attn_metadata.dynamic_causal is not None else attn_metadata.causal
+    external = use_tree_kernel()
     ks = split.kernel_split(step, attn_metadata.query_start_loc, attn_metadata.seq_lens, bt, causal,
-                            windowed=window > 0)
+                            windowed=window > 0, external=external)
     sched = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=ks.seq_lens.shape[0], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_size,
         seq_lens=ks.seq_lens, dtype=dtype, query_start_loc=ks.query_start_loc, causal=False,
         sliding_window_size=window if window > 0 else -1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
         dynamic_causal=ks.causal, kv_cache_dtype=kv_cache_dtype)
     merged = split.branching(step)
-    nodes = split.node_rows(merged, bt, block_size) if merged else None
-    blocks = split.prefix_blocks(merged, bt, block_size, window) if merged and window > 0 else None
-    plan = _Plan(ks, sched, merged, nodes, blocks)
+    if external:
+        plan = _Plan(ks, sched, merged, None, None, _kernel_requests(merged, bt, block_size, num_kv_heads) if merged else None)
+    else:
+        nodes = split.node_rows(merged, bt, block_size) if merged else None
+        blocks = split.prefix_blocks(merged, bt, block_size, window) if merged and window > 0 else None
+        plan = _Plan(ks, sched, merged, nodes, blocks)
     cache[key] = plan
     return plan
 
@@ -87,6 +146,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if self.is_fp8_kv_cache:
             raise TreeSpecError(f"tree attention on CPU reads unquantised KV caches only; drop --kv-cache-dtype "
                                 f"{self.kv_cache_dtype}")
+        prepare_tree_kernel()
 
     def tree_check_cache(self, layer, kv_cache: torch.Tensor) -> None:
         """Refuse, once the KV cache exists (vLLM's metadata builder has set `layer.isa`), a cache layout
@@ -113,7 +173,9 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def _tree_forward(self, layer, step: TreeStep, query: torch.Tensor, kv_cache: torch.Tensor, attn_metadata,
                       output: torch.Tensor) -> None:
-        """One kernel call for every row (tree requests split into prefix-only rows), then the node merge."""
+        """vLLM's kernel for every row that is not a branching tree's (skipped when there is none), then the
+        tree kernel for the branching trees' rows; on the split path, vLLM's kernel with those requests split
+        into prefix-only rows, then the node merge."""
         window = self._tree_window()
         plan = _plan(step, attn_metadata, kv_cache.shape[2], window, self.num_heads, self.num_kv_heads,
                      self.head_size, query.dtype, layer.isa, self.kv_cache_dtype)
@@ -123,15 +185,29 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         key_cache, value_cache = kv_cache.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
         t = attn_metadata.num_actual_tokens
         ks = plan.kernel
-        ops.cpu_attention_with_kv_cache(
-            query=query[:t], key_cache=key_cache, value_cache=value_cache, output=output[:t],
-            query_start_loc=ks.query_start_loc, seq_lens=ks.seq_lens, scale=self.scale, causal=False,
-            alibi_slopes=None, sliding_window=self.sliding_window, block_table=ks.block_table,
-            softcap=self.logits_soft_cap, scheduler_metadata=plan.scheduler_metadata, s_aux=self.sinks,
-            dynamic_causal=ks.causal, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
-            kv_cache_dtype=self.kv_cache_dtype)
-        if plan.merged:
+        if not ks.placeholders_only:  # (a step of branching trees only: the tree kernel writes every row)
+            ops.cpu_attention_with_kv_cache(
+                query=query[:t], key_cache=key_cache, value_cache=value_cache, output=output[:t],
+                query_start_loc=ks.query_start_loc, seq_lens=ks.seq_lens, scale=self.scale, causal=False,
+                alibi_slopes=None, sliding_window=self.sliding_window, block_table=ks.block_table,
+                softcap=self.logits_soft_cap, scheduler_metadata=plan.scheduler_metadata, s_aux=self.sinks,
+                dynamic_causal=ks.causal, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+                kv_cache_dtype=self.kv_cache_dtype)
+        if plan.tree_args is not None:  # the branching trees' root and node rows, in one pass
+            tree_kernel.cpu_tree_attention(query[:t], kv_cache, output[:t], **plan.tree_args, isa=layer.isa,
+                                           scale=self.scale, softcap=self.logits_soft_cap, window=window,
+                                           sinks=self._tree_sinks())
+        elif plan.merged:
             self._tree_merge(plan, query, kv_cache, attn_metadata.block_table, output, window, layer.isa)
+
+    def _tree_sinks(self) -> torch.Tensor | None:
+        if self.sinks is None:
+            return None
+        cached = getattr(self, "_tree_sinks_f32", None)
+        if cached is None or cached[0] is not self.sinks:
+            cached = (self.sinks, self.sinks.float().contiguous())
+            self._tree_sinks_f32 = cached
+        return cached[1]
 
     def _tree_merge(self, plan: _Plan, query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
                     output: torch.Tensor, window: int, isa: str) -> None:

