@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -89,6 +90,15 @@ inline void softcap_(float* s, int64_t n, float cap) {
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) ((Vec::loadu(s + i) * inv).tanh() * c).store(s + i);
   for (; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  Vec acc(0.0f);
+  for (; i + Vec::size() <= n; i += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
+  float r = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc);
+  for (; i < n; ++i) r += a[i] * b[i];
+  return r;
 }
 
 inline float vmax(const float* x, int64_t n) {
@@ -284,7 +294,9 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
   const int64_t S_total = split_base[B];
   // partials [S_total, Hkv, R_max, D + 2]: acc, m, l
   const int64_t P = D + 2;
-  std::vector<float> part(static_cast<size_t>(S_total * Hkv * R_max * P));
+  // every task initialises its own rows: no zero fill of the whole buffer
+  std::unique_ptr<float[]> part_buf(new float[static_cast<size_t>(std::max<int64_t>(1, S_total * Hkv * R_max * P))]);
+  float* part = part_buf.get();
 
   auto q_of = [&](int64_t b, int64_t h, float* q) {  // [R, D] pairs (row, g), scaled
     const int64_t R = (1 + nn[b]) * G;
@@ -301,7 +313,7 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
       const int64_t si = task / Hkv, h = task % Hkv, b = task_b[si];
       const int64_t R = (1 + nn[b]) * G, lo = key_lo(b), hi = rp[b];  // prefix keys lo .. hi
       q_of(b, h, q.data());
-      float* base = part.data() + (si * Hkv + h) * R_max * P;
+      float* base = part + (si * Hkv + h) * R_max * P;
       for (int64_t m = 0; m < R; ++m) {
         std::fill(base + m * P, base + m * P + D, 0.0f);
         base[m * P + D] = NEG_INF;
@@ -347,7 +359,7 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
         float mx = NEG_INF, l = 0.0f;
         std::fill(acc.begin(), acc.end(), 0.0f);
         for (int64_t si = split_base[b]; si < split_base[b + 1]; ++si) {  // splits: log-sum-exp merge
-          const float* pm = part.data() + ((si * Hkv + h) * R_max + m) * P;
+          const float* pm = part + ((si * Hkv + h) * R_max + m) * P;
           if (pm[D] == NEG_INF) continue;
           const float m_new = std::max(mx, pm[D]);
           const float a = mx == NEG_INF ? 0.0f : std::exp(mx - m_new), c = std::exp(pm[D] - m_new);
@@ -362,8 +374,7 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
                              (window <= 0 || rp[b] + dep[b * n_max + j] > pq - window);
             float sc = NEG_INF;
             if (vis) {
-              sc = 0.0f;
-              for (int64_t d = 0; d < D; ++d) sc += q[m * D + d] * kn[j * D + d];
+              sc = dot(q.data() + m * D, kn.data() + j * D, D);
               if (cap > 0.0f) sc = cap * std::tanh(sc / cap);
             }
             s[j] = sc;

@@ -81,12 +81,16 @@ def available() -> tuple[bool, str]:
         return False, str(e)
 
 
-def default_blocks_per_split(num_blocks: list[int] | torch.Tensor, num_kv_heads: int) -> int:
-    """Prefix blocks per task: enough tasks (>= 4 per thread) to keep every thread busy at batch 1,
-    no split when the requests x KV heads alone fill the threads."""
-    total = int(sum(num_blocks)) * num_kv_heads
-    want = 4 * torch.get_num_threads()
-    return max(1, total // want) if total > want else 1
+def default_blocks_per_split(num_blocks: list[int], num_kv_heads: int, threads: int | None = None) -> int:
+    """Prefix blocks per task. No split on one thread or when requests x KV heads alone give every thread
+    4 tasks; otherwise each request's prefix is cut so that there are about 4 tasks per thread (a split
+    costs one more pass over the request's rows in the merge)."""
+    threads = threads or torch.get_num_threads()
+    tasks = len(num_blocks) * num_kv_heads
+    if threads == 1 or tasks >= 4 * threads or not num_blocks:
+        return 1 << 30
+    splits = -(-4 * threads // tasks)
+    return max(1, -(-max(num_blocks) // splits))
 
 
 def cpu_tree_attention(
@@ -111,6 +115,7 @@ def cpu_tree_attention(
     if blocks_per_split is None:
         bs = kv_cache.shape[2]
         blocks_per_split = default_blocks_per_split((root_pos // bs + 1).tolist(), kv_cache.shape[1])
+    blocks_per_split = min(int(blocks_per_split), 1 << 30)
     torch.ops.vllm_tree_spec_cpu.tree_attention(
         query, kv_cache, output, root_row, root_pos, num_nodes, block_table, anc, depth, float(scale),
         float(softcap or 0.0), int(window or 0), sinks, LAYOUTS[isa], int(blocks_per_split))

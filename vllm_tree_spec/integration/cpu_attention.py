@@ -181,11 +181,11 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                      self.head_size, query.dtype, layer.isa, self.kv_cache_dtype)
         if self.sinks is not None and self.sinks.dtype not in (torch.bfloat16, torch.float32):
             self.sinks = self.sinks.to(torch.float32)  # as the stock forward does
-        nb, hkv, bs, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
         t = attn_metadata.num_actual_tokens
         ks = plan.kernel
         if not ks.placeholders_only:  # (a step of branching trees only: the tree kernel writes every row)
+            nb, hkv, bs, _ = kv_cache.shape
+            key_cache, value_cache = kv_cache.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
             ops.cpu_attention_with_kv_cache(
                 query=query[:t], key_cache=key_cache, value_cache=value_cache, output=output[:t],
                 query_start_loc=ks.query_start_loc, seq_lens=ks.seq_lens, scale=self.scale, causal=False,
