@@ -49,6 +49,15 @@ struct Layout {
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
+// Per-thread scratch kept between calls (grow-only; bounded by the largest step): the kernel runs in every
+// layer of every step, where allocating would cost page faults.
+inline float* scratch(int slot, size_t n) {
+  static thread_local std::vector<float> bufs[6];
+  std::vector<float>& b = bufs[slot];
+  if (b.size() < n) b.resize(n);
+  return b.data();
+}
+
 // K^T [D, bs] and V [bs, D] of one (block, head) as float: pointers into the cache (float, vec layout) or
 // into the buffers kt / v (converted, or unpacked from amx).
 // Only keys 0 .. n - 1 of the block are read (the last block of a prefix is partly filled).
@@ -294,9 +303,8 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
   const int64_t S_total = split_base[B];
   // partials [S_total, Hkv, R_max, D + 2]: acc, m, l
   const int64_t P = D + 2;
-  // every task initialises its own rows: no zero fill of the whole buffer
-  std::unique_ptr<float[]> part_buf(new float[static_cast<size_t>(std::max<int64_t>(1, S_total * Hkv * R_max * P))]);
-  float* part = part_buf.get();
+  // every task initialises its own rows (no zero fill); kept between calls: no allocation, no page faults
+  float* part = scratch(0, static_cast<size_t>(S_total * Hkv * R_max * P));
 
   auto q_of = [&](int64_t b, int64_t h, float* q) {  // [R, D] pairs (row, g), scaled
     const int64_t R = (1 + nn[b]) * G;
@@ -308,11 +316,14 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
   auto q_pos = [&](int64_t b, int64_t row) { return rp[b] + (row == 0 ? 0 : dep[b * n_max + row - 1]); };
 
   at::parallel_for(0, S_total * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(R_max * D), kt(D * bs), v(bs * D), s(R_max * bs);
+    float* q = scratch(1, R_max * D);
+    float* kt = scratch(2, D * bs);
+    float* v = scratch(3, bs * D);
+    float* s = scratch(4, R_max * bs);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t si = task / Hkv, h = task % Hkv, b = task_b[si];
       const int64_t R = (1 + nn[b]) * G, lo = key_lo(b), hi = rp[b];  // prefix keys lo .. hi
-      q_of(b, h, q.data());
+      q_of(b, h, q);
       float* base = part + (si * Hkv + h) * R_max * P;
       for (int64_t m = 0; m < R; ++m) {
         std::fill(base + m * P, base + m * P + D, 0.0f);
@@ -323,11 +334,11 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
         const int64_t blk = bt[b * bt_stride + j];
         const int64_t k0 = j * bs, n_keys = std::min(bs, hi + 1 - k0);  // keys past the root: never read
         const int64_t n_cols = std::min(bs, (n_keys + Vec::size() - 1) / Vec::size() * Vec::size());
-        const auto [kb, vb] = load_block(kv_ptr + (blk * Hkv + h) * run_len, L, n_cols, kt.data(), v.data());
-        block_scores(q.data(), R, kb, bs, D, n_cols, s.data(), bs);
-        if (cap > 0.0f) softcap_(s.data(), R * bs, cap);
+        const auto [kb, vb] = load_block(kv_ptr + (blk * Hkv + h) * run_len, L, n_cols, kt, v);
+        block_scores(q, R, kb, bs, D, n_cols, s, bs);
+        if (cap > 0.0f) softcap_(s, R * bs, cap);
         for (int64_t m = 0; m < R; ++m) {
-          float* sm = s.data() + m * bs;
+          float* sm = s + m * bs;
           // visible prefix keys of this row: max(lo, pos_q - W + 1) .. hi
           int64_t row_lo = lo;
           if (window > 0) row_lo = std::max(row_lo, q_pos(b, m / G) - window + 1);
@@ -335,17 +346,21 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
           float* pm = base + m * P;
           online_softmax(sm, n_keys, D, pm[D], pm[D + 1], pm);
         }
-        pv_accumulate(s.data(), bs, R, n_keys, vb, D, base, P);
+        pv_accumulate(s, bs, R, n_keys, vb, D, base, P);
       }
     }
   });
 
   // merge the splits, then the tree part and the sink, per (b, h)
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(R_max * D), kn(n_max * D), vn(n_max * D), s(n_max), acc(D);
+    float* q = scratch(1, R_max * D);
+    float* kn = scratch(2, n_max * D);
+    float* vn = scratch(3, n_max * D);
+    float* s = scratch(4, n_max);
+    float* acc = scratch(5, D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, h = task % Hkv, N = nn[b], R = (1 + N) * G;
-      q_of(b, h, q.data());
+      q_of(b, h, q);
       for (int64_t j = 0; j < N; ++j) {  // node j's K/V: logical position root_pos + 1 + j of b
         const int64_t pos = rp[b] + 1 + j;
         const T* run = kv_ptr + (int64_t(bt[b * bt_stride + pos / bs]) * Hkv + h) * run_len;
@@ -357,7 +372,7 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
       for (int64_t m = 0; m < R; ++m) {
         const int64_t row = m / G, g = m % G;
         float mx = NEG_INF, l = 0.0f;
-        std::fill(acc.begin(), acc.end(), 0.0f);
+        std::fill(acc, acc + D, 0.0f);
         for (int64_t si = split_base[b]; si < split_base[b + 1]; ++si) {  // splits: log-sum-exp merge
           const float* pm = part + ((si * Hkv + h) * R_max + m) * P;
           if (pm[D] == NEG_INF) continue;
@@ -374,13 +389,13 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
                              (window <= 0 || rp[b] + dep[b * n_max + j] > pq - window);
             float sc = NEG_INF;
             if (vis) {
-              sc = dot(q.data() + m * D, kn.data() + j * D, D);
+              sc = dot(q + m * D, kn + j * D, D);
               if (cap > 0.0f) sc = cap * std::tanh(sc / cap);
             }
             s[j] = sc;
           }
-          online_softmax(s.data(), N, D, mx, l, acc.data());
-          pv_accumulate(s.data(), N, 1, N, vn.data(), D, acc.data(), D);
+          online_softmax(s, N, D, mx, l, acc);
+          pv_accumulate(s, N, 1, N, vn, D, acc, D);
         }
         if (sink_ptr != nullptr) {  // the sink joins the denominator only
           const float sk = sink_ptr[h * G + g];

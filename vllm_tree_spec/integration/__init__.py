@@ -73,6 +73,11 @@
         Why: vLLM refuses both for every speculative method (its chain sampler lacks them).
         Removal: per-method validation upstream (a proposer that declares which parameters it supports).
 
+    P9  (logs.py) the "vllm_tree_spec" logger gets the "vllm" logger's handlers and level, in tree workers.
+        Why: vLLM configures only "vllm.*" loggers, so the plugin's INFO records (plan changes, the CPU
+        tree-attention path) were dropped by Python's root logger.
+        Removal: a documented logging hook for plugins (or VLLM_LOGGING_CONFIG_PATH covering them).
+
     L   (live_state.py) reads, changes nothing: the tree workers' `tree_live_state` method (reachable with
         vLLM's collective_rpc; served: POST /collective_rpc under VLLM_SERVER_DEV_MODE=1) lists the request
         ids held in every per-request place of the plugin, next to vLLM's runner.requests / input batch.

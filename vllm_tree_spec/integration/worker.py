@@ -14,6 +14,7 @@ from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
 
 from vllm_tree_spec.integration.live_state import live_state
+from vllm_tree_spec.integration.logs import route_to_vllm_handlers
 from vllm_tree_spec.integration.worker_memory import heap_stats, python_objects
 from vllm_tree_spec.integration.runner import TreeRunnerMixin
 
@@ -53,7 +54,12 @@ def tree_cpu_attention():
 
 
 class TreeWorkerProbes:
-    """Read-only worker methods of every tree worker, reachable through vLLM's collective_rpc."""
+    """Read-only worker methods of every tree worker, reachable through vLLM's collective_rpc (and, at
+    construction, the plugin's logs routed through vLLM's handlers)."""
+
+    def __init__(self, *args, **kwargs):
+        route_to_vllm_handlers()
+        super().__init__(*args, **kwargs)
 
     def tree_live_state(self) -> dict[str, list[str]]:
         """Request ids held in every per-request place (leak checks: integration/live_state.py)."""
