@@ -53,9 +53,13 @@ from vllm_tree_spec.kernels import cpu_tree_attention_launch as tree_kernel
 KERNEL_ENV = "VLLM_TREE_SPEC_CPU_TREE_KERNEL"  # "0": the split path even where the kernel builds
 
 
+def _kernel_switched_off() -> bool:
+    return os.environ.get(KERNEL_ENV, "1") == "0"
+
+
 def use_tree_kernel() -> bool:
     """Whether branching trees go through the C++ tree kernel (built once per machine, cached)."""
-    return os.environ.get(KERNEL_ENV, "1") != "0" and tree_kernel.available()[0]
+    return not _kernel_switched_off() and tree_kernel.available()[0]
 
 
 @functools.cache
@@ -64,7 +68,7 @@ def prepare_tree_kernel() -> bool:
     from vllm.logger import init_logger
 
     log = init_logger(__name__)
-    if os.environ.get(KERNEL_ENV, "1") == "0":
+    if _kernel_switched_off():
         log.info("tree attention on CPU: split path (%s=0)", KERNEL_ENV)
         return False
     ok, why = tree_kernel.available()
@@ -90,12 +94,7 @@ class _Plan:
 def _kernel_requests(step: TreeStep, block_table: torch.Tensor, block_size: int, num_kv_heads: int) -> dict:
     """Request tensors of `cpu_tree_attention` for the branching trees of a step."""
     reqs = step.requests
-    n = max(r.num_nodes for r in reqs)
-    anc = torch.zeros(len(reqs), n, n, dtype=torch.bool)
-    depth = torch.ones(len(reqs), n, dtype=torch.long)
-    for b, r in enumerate(reqs):
-        anc[b, : r.num_nodes, : r.num_nodes] = r.tree.ancestor_mask
-        depth[b, : r.num_nodes] = r.tree.depth
+    anc, depth = split.tree_masks(step)
     root_pos = [r.root_pos for r in reqs]
     return dict(root_row=torch.tensor([r.root_row for r in reqs], dtype=torch.long),
                 root_pos=torch.tensor(root_pos, dtype=torch.long),

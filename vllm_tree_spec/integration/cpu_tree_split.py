@@ -135,15 +135,26 @@ def branching(step: TreeStep) -> TreeStep:
     return TreeStep([r for r in step.requests if not r.tree.is_chain()])
 
 
+def tree_masks(step: TreeStep) -> tuple[torch.Tensor, torch.Tensor]:
+    """(anc [B, n, n] bool ancestor-or-self, depth [B, n] int64) of the step's trees, padded to the most
+    nodes n (padding: no ancestor, depth 1). Shared by the split path and the tree kernel's launcher."""
+    reqs = step.requests
+    B, n = len(reqs), max(r.num_nodes for r in reqs)
+    anc = torch.zeros(B, n, n, dtype=torch.bool)
+    depth = torch.ones(B, n, dtype=torch.long)
+    for b, r in enumerate(reqs):
+        anc[b, : r.num_nodes, : r.num_nodes] = r.tree.ancestor_mask
+        depth[b, : r.num_nodes] = r.tree.depth
+    return anc, depth
+
+
 def node_rows(step: TreeStep, block_table: torch.Tensor, block_size: int) -> NodeRows:
     reqs = step.requests
     B, n = len(reqs), max(r.num_nodes for r in reqs)
     rows = torch.zeros(B, n, dtype=torch.long)
     valid = torch.zeros(B, n, dtype=torch.bool)
     slots = torch.zeros(B, n, dtype=torch.long)
-    anc = torch.zeros(B, n, n, dtype=torch.bool)
-    anc[:, :, 0] = True  # padding rows: one visible key (their results are never written)
-    depth = torch.ones(B, n, dtype=torch.long)
+    anc, depth = tree_masks(step)
     root_pos = torch.tensor([r.root_pos for r in reqs], dtype=torch.long)
     for b, r in enumerate(reqs):
         k = r.num_nodes
@@ -151,8 +162,7 @@ def node_rows(step: TreeStep, block_table: torch.Tensor, block_size: int) -> Nod
         rows[b, :k] = r.root_row + 1 + torch.arange(k)
         valid[b, :k] = True
         slots[b, :k] = block_table[r.req_index, pos // block_size].long() * block_size + pos % block_size
-        anc[b, :k, :k] = r.tree.ancestor_mask
-        depth[b, :k] = r.tree.depth
+    anc[:, :, 0] |= ~valid  # padding rows: one visible key (their results are never written)
     slots[~valid] = slots[:, :1].expand_as(slots)[~valid]
     return NodeRows(rows, valid, slots, anc, depth, root_pos)
 
