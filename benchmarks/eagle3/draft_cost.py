@@ -2,6 +2,7 @@
 
     python benchmarks/eagle3/draft_cost.py --head HEAD_DIR [--model TARGET] [--batch 1,4] [--tree s3_k2_d6]
     python benchmarks/eagle3/draft_cost.py --drafter-only [--batch 1,4,16] [--tree s3_k2_d6] [--rounds 20]
+        [--gemm torch,vllm --repeats 5]
 
 For each batch size: the same chat prompts (the training script's held-out slice if --prompts-json is
 given, else a few fixed ones), greedy, served by no speculation, vLLM's linear eagle3 (k = the tree's
@@ -14,7 +15,9 @@ head measures cost only: acceptance needs a trained head.
 target features, contexts of --context tokens, and after each round a random accepted path of 0-2 nodes
 plus the bonus token is committed, as the engine would. It prints milliseconds per request-round
 (propose + observe, per request; wall clock and process CPU time, the latter steadier on shared
-cores), which isolates the drafter's cost from the target's.
+cores), which isolates the drafter's cost from the target's. `--gemm torch,vllm` alternates the head's linear layers
+between F.linear and vLLM's CPU GEMM (the served default, integration/cpu_gemm.py) on the same weights, repeat
+by repeat, and prints the median per-pair ratio.
 """
 
 from __future__ import annotations
@@ -87,8 +90,39 @@ def _random_head(draft_vocab: int, seed: int = 0):
 
 
 def drafter_only(batches: list[int], tree: str, rounds: int, context: int, draft_vocab: int,
-                 sampling: str | None) -> list[dict]:
-    """ms per request-round of Eagle3TreeDrafter.propose + observe_target at each batch size."""
+                 sampling: str | None, gemms: list[str], repeats: int) -> list[dict]:
+    """ms per request-round of Eagle3TreeDrafter.propose + observe_target at each batch size.
+
+    gemms: "torch" (F.linear) and/or "vllm" (the head's linears on vLLM's CPU GEMM, as served:
+    integration/cpu_gemm.py); with both, the two alternate repeat by repeat on the same head weights.
+    """
+    from vllm_tree_spec.integration.cpu_gemm import use_vllm_cpu_gemm
+
+    heads = {}
+    for gemm in gemms:
+        heads[gemm] = _random_head(draft_vocab)  # same seed: the same weights
+        if gemm == "vllm":
+            use_vllm_cpu_gemm(heads[gemm])
+    results = []
+    for b in batches:
+        for rep in range(repeats):
+            for gemm, head in heads.items():
+                row = _drafter_rounds(head, b, tree, rounds, context, sampling)
+                row.update(gemm=gemm, repeat=rep)
+                results.append(row)
+                print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
+                      flush=True)
+        if len(heads) == 2:
+            import statistics
+
+            mine = [r for r in results if r["batch"] == b]
+            ratio = statistics.median(t["ms_per_request_round"] / v["ms_per_request_round"]
+                                      for t, v in zip(mine[0::2], mine[1::2]))
+            print(f"batch {b}: torch / vllm GEMM drafter time, median of {repeats} pairs: {ratio:.3f}x", flush=True)
+    return results
+
+
+def _drafter_rounds(head, b: int, tree: str, rounds: int, context: int, sampling: str | None) -> dict:
     import torch
 
     from vllm_tree_spec.drafters.base import DraftRequest
@@ -96,7 +130,6 @@ def drafter_only(batches: list[int], tree: str, rounds: int, context: int, draft
     from vllm_tree_spec.drafters.policy import SampledPolicy
     from vllm_tree_spec.tree import Tree
 
-    head = _random_head(draft_vocab)
     policy = tree
     temperature = 0.0
     if sampling is not None:
@@ -104,53 +137,49 @@ def drafter_only(batches: list[int], tree: str, rounds: int, context: int, draft
         temperature = 1.0
     feat = head.fc.in_features
     g = torch.Generator().manual_seed(1)
-    results = []
-    for b in batches:
-        drafter = Eagle3TreeDrafter(head, policy, seed=0)
-        ctx = {}
-        for i in range(b):
-            toks = torch.randint(0, 49152, (context,), generator=g).tolist()
-            drafter.start_request(i, toks[:-1])
-            drafter.observe_target([i], [list(range(context))], torch.arange(context),
-                                   torch.randn(context, feat, generator=g))
-            ctx[i] = toks
-        t_prop = t_obs = cpu = 0.0
-        nodes = 0
-        for r in range(rounds + 2):  # two warm-up rounds
-            c0, t0 = time.process_time(), time.perf_counter()
-            props = drafter.propose([DraftRequest(i, ctx[i], temperature) for i in range(b)], 64)
-            t1 = time.perf_counter()
-            rows, flat_pos = [], []
-            for i, prop in enumerate(props):  # accept the first 0-2 nodes of a chain from the root, plus a bonus
-                tr = prop.tree
-                path, node = [], -1
-                want = int(torch.randint(0, 3, (), generator=g))
-                while len(path) < want:
-                    kids = [j for j in range(tr.num_nodes) if int(tr.parents[j]) == node]
-                    if not kids:
-                        break
-                    node = kids[0]
-                    path.append(int(tr.tokens[node]))
-                n = len(ctx[i])
-                rows.append(list(range(len(flat_pos), len(flat_pos) + 1 + len(path))))
-                flat_pos += list(range(n - 1, n + len(path)))
-                ctx[i] = ctx[i] + path + [int(torch.randint(0, 49152, (), generator=g))]
-                nodes += tr.num_nodes
-            drafter.observe_target(list(range(b)), rows, torch.tensor(flat_pos),
-                                   torch.randn(len(flat_pos), feat, generator=g))
-            t2, c2 = time.perf_counter(), time.process_time()
-            if r >= 2:
-                cpu += c2 - c0
-                t_prop += t1 - t0
-                t_obs += t2 - t1
-        row = dict(batch=b, tree=tree, sampling=sampling or "topk", rounds=rounds, context=context,
-                   threads=torch.get_num_threads(),
-                   ms_per_request_round=1e3 * (t_prop + t_obs) / (rounds * b),
-                   cpu_ms_per_request_round=1e3 * cpu / (rounds * b),
-                   propose_ms_per_step=1e3 * t_prop / rounds, nodes_per_tree=nodes / ((rounds + 2) * b))
-        results.append(row)
-        print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
-    return results
+    drafter = Eagle3TreeDrafter(head, policy, seed=0)
+    ctx = {}
+    for i in range(b):
+        toks = torch.randint(0, 49152, (context,), generator=g).tolist()
+        drafter.start_request(i, toks[:-1])
+        drafter.observe_target([i], [list(range(context))], torch.arange(context),
+                               torch.randn(context, feat, generator=g))
+        ctx[i] = toks
+    t_prop = t_obs = cpu = 0.0
+    nodes = 0
+    for r in range(rounds + 2):  # two warm-up rounds
+        c0, t0 = time.process_time(), time.perf_counter()
+        props = drafter.propose([DraftRequest(i, ctx[i], temperature) for i in range(b)], 64)
+        t1 = time.perf_counter()
+        rows, flat_pos = [], []
+        for i, prop in enumerate(props):  # accept the first 0-2 nodes of a chain from the root, plus a bonus
+            tr = prop.tree
+            path, node = [], -1
+            want = int(torch.randint(0, 3, (), generator=g))
+            while len(path) < want:
+                kids = [j for j in range(tr.num_nodes) if int(tr.parents[j]) == node]
+                if not kids:
+                    break
+                node = kids[0]
+                path.append(int(tr.tokens[node]))
+            n = len(ctx[i])
+            rows.append(list(range(len(flat_pos), len(flat_pos) + 1 + len(path))))
+            flat_pos += list(range(n - 1, n + len(path)))
+            ctx[i] = ctx[i] + path + [int(torch.randint(0, 49152, (), generator=g))]
+            nodes += tr.num_nodes
+        drafter.observe_target(list(range(b)), rows, torch.tensor(flat_pos),
+                               torch.randn(len(flat_pos), feat, generator=g))
+        t2, c2 = time.perf_counter(), time.process_time()
+        if r >= 2:
+            cpu += c2 - c0
+            t_prop += t1 - t0
+            t_obs += t2 - t1
+    row = dict(batch=b, tree=tree, sampling=sampling or "topk", rounds=rounds, context=context,
+               threads=torch.get_num_threads(),
+               ms_per_request_round=1e3 * (t_prop + t_obs) / (rounds * b),
+               cpu_ms_per_request_round=1e3 * cpu / (rounds * b),
+               propose_ms_per_step=1e3 * t_prop / rounds, nodes_per_tree=nodes / ((rounds + 2) * b))
+    return row
 
 
 def main() -> int:
@@ -163,6 +192,9 @@ def main() -> int:
     ap.add_argument("--draft-sampling", choices=["sample", "sample_without_replacement"], default=None,
                     help="--drafter-only: sampled children (give --tree as rank paths)")
     ap.add_argument("--threads", type=int, default=1, help="--drafter-only: torch threads")
+    ap.add_argument("--gemm", default="vllm", help="--drafter-only: the head's linears, 'vllm' (as served), "
+                                                   "'torch' (F.linear) or 'torch,vllm' (interleaved)")
+    ap.add_argument("--repeats", type=int, default=1, help="--drafter-only: interleaved repeats per batch size")
     ap.add_argument("--model", default=None)
     ap.add_argument("--batch", default="1,4")
     ap.add_argument("--tree", default="s3_k2_d6")
@@ -177,7 +209,7 @@ def main() -> int:
 
         torch.set_num_threads(args.threads)
         res = drafter_only([int(x) for x in args.batch.split(",")], args.tree, args.rounds, args.context,
-                           args.draft_vocab, args.draft_sampling)
+                           args.draft_vocab, args.draft_sampling, args.gemm.split(","), args.repeats)
         if args.out:
             json.dump(res, open(args.out, "w"), indent=1)
         return 0

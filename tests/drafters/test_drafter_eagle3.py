@@ -196,13 +196,19 @@ def check_path_invariant(drafter, head, target, feats_fn, reference_fn, temp, q_
     return checked
 
 
+@pytest.mark.parametrize("gemm", ["torch", "vllm"])
 @pytest.mark.parametrize("name", list(POLICIES))
-def test_path_invariant(setup, name):
+def test_path_invariant(setup, name, gemm):
     """q at every expanded tree row equals the head run sequentially along that row's path (static,
-    dynamic and sampled trees; the sampled rows are the q verification uses)."""
+    dynamic and sampled trees; the sampled rows are the q verification uses). "vllm": the head's
+    linears on vLLM's CPU GEMM, as served (integration/cpu_gemm.py)."""
     _, target, heads = setup
     policy, temp, q_temp, floor = POLICIES[name]
     head = load_head(heads["eagle"], target_embedding=target.model.embed_tokens.weight)
+    if gemm == "vllm":
+        from vllm_tree_spec.integration.cpu_gemm import use_vllm_cpu_gemm
+
+        assert use_vllm_cpu_gemm(head) == sum(isinstance(m, torch.nn.Linear) for m in head.modules())
     drafter = Eagle3TreeDrafter(head, policy, return_draft_probs=True, seed=5)
     assert check_path_invariant(drafter, head, target, aux_states, reference_logits, temp, q_temp, floor) >= 6
 

@@ -283,6 +283,11 @@ class LevelTreeDrafter(TreeDrafter):
         """A tree built over the session's vocabulary -> target token ids (identity: the same vocabulary)."""
         return dt
 
+    def networks(self) -> list[torch.nn.Module]:
+        """The torch networks this drafter runs (the serving runner routes their CPU linears through
+        vLLM's GEMM: integration/cpu_gemm.py). Empty until the model is loaded."""
+        return []
+
     # -- drafting -------------------------------------------------------------
 
     def _plan(self, request: DraftRequest, budget: int) -> tuple[TreePolicy | None, Mode]:
@@ -408,6 +413,9 @@ class DraftModelTreeDrafter(LevelTreeDrafter):
 
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
         return cls(model, policy, device=device, **kwargs)
+
+    def networks(self) -> list[torch.nn.Module]:
+        return [self.model]
 
     # -- lifecycle ------------------------------------------------------------
 

@@ -304,6 +304,9 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
             emb = target_model.model.embed_tokens.weight
         self._set_head(load_head(self.path, target_embedding=emb, dtype=self.dtype, device=self.device))
 
+    def networks(self) -> list[torch.nn.Module]:
+        return [] if self.head is None else [self.head]
+
     @property
     def aux_layer_ids(self) -> tuple[int, ...] | None:
         """The target layers whose inputs the head reads (None: vLLM's default for the target)."""

@@ -78,6 +78,11 @@
         tree-attention path) were dropped by Python's root logger.
         Removal: a documented logging hook for plugins (or VLLM_LOGGING_CONFIG_PATH covering them).
 
+    P10 (cpu_gemm.py) calls vLLM's dispatch_cpu_unquantized_gemm on the drafters' own networks (the EAGLE-3 /
+        EAGLE head, a draft model) on CPU, changing nothing in vLLM: each nn.Linear gets vLLM's oneDNN handler.
+        Why: F.linear goes to MKL, whose small-M sgemm is 2-3x slower on the head's shapes than vLLM's handler.
+        Removal: the head run as vLLM's Eagle3LlamaForCausalLM with tree attention metadata.
+
     L   (live_state.py) reads, changes nothing: the tree workers' `tree_live_state` method (reachable with
         vLLM's collective_rpc; served: POST /collective_rpc under VLLM_SERVER_DEV_MODE=1) lists the request
         ids held in every per-request place of the plugin, next to vLLM's runner.requests / input batch.

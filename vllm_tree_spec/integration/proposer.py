@@ -14,12 +14,15 @@ like vLLM's linear methods (a lossless pruning, as the shape policy's).
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 from vllm_tree_spec.config import TreeSpecConfig
 from vllm_tree_spec.drafters.base import DraftRequest, TreeDrafter, TreeProposal
 
 PROPOSER_PATH = "vllm_tree_spec.integration.proposer.TreeProposer"
+
+logger = logging.getLogger(__name__)
 
 
 def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
@@ -130,6 +133,13 @@ class TreeProposer:
         load = getattr(self.drafter, "load_model", None)
         if load is not None:
             load(target_model)
+        networks = getattr(self.drafter, "networks", None)
+        if networks is not None:  # the drafter's own torch networks: vLLM's CPU GEMM (P10)
+            from vllm_tree_spec.integration.cpu_gemm import use_vllm_cpu_gemm
+
+            routed = sum(use_vllm_cpu_gemm(net) for net in networks())
+            if routed:
+                logger.info("drafter %r: %d linear layers on vLLM's CPU GEMM", self.cfg.drafter, routed)
 
     def setup_runner(self, runner) -> None:
         """After the target is loaded (the runner's load_model): drafters that read its aux hidden states."""

@@ -103,7 +103,8 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
     ),
     "cpu": ("vllm.v1.worker.cpu_worker.CPUModelRunner",
             "vllm._custom_ops.cpu_attention_with_kv_cache",  # P2: called with split metadata (dynamic_causal)
-            "vllm._custom_ops.cpu_attn_get_scheduler_metadata"),
+            "vllm._custom_ops.cpu_attn_get_scheduler_metadata",
+            "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"),  # P10: the drafters' linears
     "dsv4": (
         "vllm.v1.attention.ops.metadata.compute_token_to_req_indices",
         "vllm.v1.attention.backends.mla.sparse_swa.compute_token_to_req_indices",
