@@ -45,6 +45,7 @@ class EngineRun:
     metrics: dict = field(default_factory=dict)
     tree_stats: dict | None = None
     isas: set = field(default_factory=set)  # CPU_ATTN ISAs of the tree engine's layers (vLLM's choice)
+    drafter_linears: tuple[int, int] = (0, 0)  # (on vLLM's CPU GEMM, all) linear layers of the drafter's networks
 
 
 def tree_runner(llm):
@@ -73,11 +74,15 @@ def run_engine(model: str, prompts, params, spec: dict | None = None, patches=()
         runner = tree_runner(llm)
         stats = runner.tree_stats.as_dict() if runner is not None else None
         isas = set()
+        linears = (0, 0)
         if runner is not None:
             isas = {layer.isa for layer in runner.compilation_config.static_forward_context.values()
                     if hasattr(layer, "isa")}
+            nets = getattr(runner.drafter.drafter, "networks", lambda: [])()
+            layers = [m for net in nets for m in net.modules() if isinstance(m, torch.nn.Linear)]
+            linears = (sum(bool(getattr(m, "_tree_cpu_gemm", False)) for m in layers), len(layers))
         return EngineRun([list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].text for o in outs], metrics,
-                         stats, isas)
+                         stats, isas, linears)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm

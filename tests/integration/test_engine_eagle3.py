@@ -56,6 +56,8 @@ def test_eagle_tree_greedy_identical(setup, drafter, tree):
     s = run.tree_stats
     assert s["rounds"] > 0 and s["branching_rounds"] == s["rounds"], s
     assert s["nodes"] >= 4 * s["rounds"], s  # every round verified a full tree
+    routed, linears = run.drafter_linears
+    assert linears > 0 and routed == linears, run.drafter_linears  # the head on vLLM's CPU GEMM (P10)
 
 
 @pytest.mark.vllm
