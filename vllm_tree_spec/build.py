@@ -165,14 +165,12 @@ def _top_ranks(q: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     # it keeps, so the selection is rebuilt from it: every token above that value, then the tied
     # ones in ascending id order; a stable sort of those k orders them best first. This is the
     # stable full sort's answer, at topk's cost (the drafters call it on every tree level).
+    # q comes from _call_draft (finite rows), so each row selects exactly k tokens.
     n = q.shape[0]
     kth = torch.topk(q, k, dim=-1).values[:, -1:]  # [n, 1]
     above, tied = q > kth, q == kth  # [n, V]
     need = k - above.sum(-1, keepdim=True)  # [n, 1] tied tokens to take, >= 1
     sel = above | (tied & (tied.cumsum(-1) <= need))  # [n, V], k per row
-    if int(sel.sum()) != n * k:  # NaN rows: no order exists; the full sort reports them as it did
-        vals, ids = torch.sort(q, dim=-1, descending=True, stable=True)
-        return ids[:, :k], torch.log(vals[:, :k].to(torch.float64))
     ids = sel.nonzero()[:, 1].view(n, k)  # ascending ids
     order = torch.sort(q.gather(1, ids), dim=-1, descending=True, stable=True).indices
     ids = ids.gather(1, order)  # [n, k] best first, ties toward the lower id

