@@ -312,7 +312,7 @@ def main() -> int:
     ap.add_argument("--ttt-decay", type=float, default=1.0)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--warmup", type=int, default=20)
-    ap.add_argument("--epochs", type=int, default=1)
+    ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--max-steps", type=int, default=None)
     ap.add_argument("--max-len", type=int, default=2048, help="tokens per packed training sequence")
     ap.add_argument("--log-every", type=int, default=10)
