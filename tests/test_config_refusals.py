@@ -68,6 +68,7 @@ MALFORMED = [
     ("replan-with-static-table", {"budgets": {8: 4}, "replan_every": 64}, "replan_every",
      "set 'budgets' to \"auto\""),
     ("explore-with-static-table", {"budgets": {8: 4}, "explore_every": 4}, "explore_every", "remove 'explore_every'"),
+    ("gate-with-static-table", {"budgets": {8: 4}, "score_gate": False}, "score_gate", "remove 'score_gate'"),
     ("replan-zero", {"replan_every": 0}, "replan_every", "greater than or equal to 1"),
     ("explore-one", {"explore_every": 1}, "explore_every", "greater than or equal to 2"),
     ("spec-factor-zero", {"max_spec_factor": 0}, "max_spec_factor", "greater than 0"),
@@ -108,7 +109,7 @@ def test_malformed_config_names_key_and_fix(keys, key, fix):
      "verification": "deterministic"},
     {"drafter": "mtp", "tree": "chain:3", "dynamic": False},
     {"budgets": {1: 5, 8: 2, 64: 0}},
-    {"budgets": "auto", "replan_every": 64, "explore_every": 4},
+    {"budgets": "auto", "replan_every": 64, "explore_every": 4, "score_gate": False},
 ], ids=["defaults", "ngram", "suffix", "draft-model", "iid-sampled", "wor-deterministic", "mtp", "budgets",
         "budgets-auto"])
 def test_valid_configs_still_parse_and_survive_the_worker_round_trip(keys):

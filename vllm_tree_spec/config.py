@@ -89,6 +89,8 @@ class TreeSpecConfig(BaseModel):
         "auto", description="'auto' (online shape policy) or max draft nodes per batch-size bucket.")
     replan_every: int = Field(256, ge=1, description="budgets 'auto': steps between re-plans.")
     explore_every: int = Field(16, ge=2, description="budgets 'auto': base period of unpruned exploration steps.")
+    score_gate: bool = Field(True, description="budgets 'auto': drop draft nodes whose calibrated acceptance at "
+                             "their drafter score is below the break-even of one more verified row.")
     max_spec_factor: float = Field(1.0, gt=0, description="Suffix drafter: tokens per matched token.")
     min_token_prob: float = Field(0.1, ge=0, le=1, description="Suffix drafter: min continuation frequency.")
     prompt_lookup_min: int = Field(1, ge=1, description="N-gram drafter: shortest suffix to match.")
@@ -151,7 +153,7 @@ class TreeSpecConfig(BaseModel):
             raise ValueError(f"key 'prompt_lookup_min' = {self.prompt_lookup_min} is larger than "
                              f"'prompt_lookup_max' = {self.prompt_lookup_max}; lower the first or raise the second")
         if self.budgets != "auto":
-            for key in ("replan_every", "explore_every"):  # knobs of the policy a static table switches off
+            for key in ("replan_every", "explore_every", "score_gate"):  # knobs of the policy a static table switches off
                 if getattr(self, key) != type(self).model_fields[key].default:
                     raise ValueError(f"key {key!r} tunes budgets \"auto\", but 'budgets' is a static table; "
                                      f"remove {key!r} or set 'budgets' to \"auto\"")

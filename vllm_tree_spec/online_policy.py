@@ -38,9 +38,24 @@ distinct / in-order drawn children), so a plan changes which rows are verified
 and never the output's law. A `none` plan passes budget 0 (the drafter is
 skipped).
 
+The score gate (`score_gate`, on by default): a plan fixes which child ranks are drafted, the same for
+every request; a drafter also says how sure it is of each node (`TreeProposal.scores`: a path
+frequency for suffix / n-gram drafters, log q of the path for model drafters). The policy calibrates
+that confidence against outcomes, pi(c) = P(a drafted node of confidence c is accepted) (decayed counts in
+0.5-nat bins, made non-decreasing in c by isotonic regression; a bin is judged by the 95 % upper bound
+of its rate, so that a few unlucky rounds do not cut it), and at each re-plan sets per bucket the
+marginal row's break-even
+
+    tau = slope * B * E / ms        (ms per row, batch size, tokens per round, step ms of the chosen plan)
+
+a node adds pi(c) tokens to the step and one row (slope ms) to its cost, so keeping it raises the
+batch's tokens per ms iff pi(c) > tau. Nodes below the gate (and their subtrees) are dropped from the
+plan's trees, request by request. Where rows are nearly free (small batches) tau is near 0 and nothing
+is dropped; where the step is compute-bound tau approaches the tokens per verified row.
+
 Exploration: a policy that settled on a chain would never see a rank-1 child
 again and could never return to a tree. Every `explore period`-th step drafts
-the unpruned tree (ranks up to MAX_RANK are counted as asked), which costs at
+the unpruned, ungated tree (ranks up to MAX_RANK are counted as asked, every confidence is calibrated), which costs at
 most the gap between the full tree and the plan on that one step; while the
 plan is `full` it drafts a half-budget chain instead (the cost of fewer rows).
 The period starts at `explore_every`, doubles at every re-plan that keeps the
@@ -74,6 +89,9 @@ import torch
 from vllm_tree_spec.drafters.base import DraftRequest, TreeProposal
 from vllm_tree_spec.planner import candidate_trees, describe_tree
 from vllm_tree_spec.tree import NO_PARENT, Tree
+from vllm_tree_spec.verify import Mode
+
+GATED_MODES = (Mode.GREEDY, Mode.DETERMINISTIC)  # children chosen, not drawn: any draft-side subset is lossless
 
 MAX_RANK = 8  # sibling ranks measured (and planned) per node
 MAX_DEPTH = 10  # deepest level planned (planner.DEFAULT_MAX_DEPTH)
@@ -88,6 +106,11 @@ OUTLIER = 4.0  # a step slower than 4x the fitted line is not a cost sample (GC,
 DRIFT = 0.5  # a plan's measured step ms 50 % off its prediction: the cost has moved
 DRIFT_FORGET = 0.1  # then old cost samples keep a tenth of their weight
 EXPLORE_BACKOFF = 8  # the exploration period grows to at most 8 x explore_every
+GATE_EDGES = np.linspace(-12.0, 0.0, 25)  # score-gate bins: log confidence in 0.5-nat steps (below -12: bin 0)
+MIN_GATE_NODES = 256  # drafted nodes calibrated before a bucket gets a gate
+MIN_BIN_NODES = 64  # a bin's counts are not decayed below this
+GATE_QUANTILE = 0.95  # a bin is dropped when even its 95 % upper bound of acceptance is below the break-even
+NO_GATE = -math.inf
 
 
 def bucket_of(batch_size: int) -> int:
@@ -192,7 +215,29 @@ def prune_to_shape(proposal: TreeProposal, plan: "Plan") -> TreeProposal:
     allowed = plan.path_set
     parents = tree.parents.tolist()
     _, _, paths, _ = structure(parents)
-    keep = [i for i, p in enumerate(paths) if p in allowed]
+    return _keep_nodes(proposal, [i for i, p in enumerate(paths) if p in allowed])
+
+
+def confidence(scores: torch.Tensor, scores_are_probs: bool) -> np.ndarray:
+    """[N] log confidence of a proposal's nodes: log of a path frequency, or the log q it already is."""
+    s = scores.detach().cpu().double().numpy()
+    return np.log(np.maximum(s, 1e-300)) if scores_are_probs else s
+
+
+def gate_by_confidence(proposal: TreeProposal, conf: np.ndarray, min_conf: float) -> TreeProposal:
+    """The nodes of `proposal` whose log confidence is >= min_conf and whose parent is kept (ancestor-closed,
+    same order; verification of the result is as lossless as of the whole tree)."""
+    parents = proposal.tree.parents.tolist()
+    kept = [False] * len(parents)
+    for i, p in enumerate(parents):  # topological order: a parent is decided before its children
+        kept[i] = bool(conf[i] >= min_conf) and (p < 0 or kept[p])
+    return _keep_nodes(proposal, [i for i, k in enumerate(kept) if k])
+
+
+def _keep_nodes(proposal: TreeProposal, keep: list[int]) -> TreeProposal:
+    """The proposal restricted to the ancestor-closed node list `keep` (ascending)."""
+    tree = proposal.tree
+    parents = tree.parents.tolist()
     if len(keep) == len(parents):
         return proposal
     new_index = {j: k for k, j in enumerate(keep)}
@@ -291,6 +336,66 @@ class AcceptanceProfile:
         if self.full_rounds < MIN_FULL_ROUNDS:  # a few exploration rounds are too noisy to switch on
             return math.nan, math.nan
         return self.full_tokens / self.full_rounds, self.full_nodes / self.full_rounds
+
+
+@dataclass
+class ScoreCalibration:
+    """P(a drafted node is accepted) by the drafter's log confidence in it: decayed counts per GATE_EDGES bin."""
+
+    drafted: np.ndarray = field(default_factory=lambda: np.zeros(len(GATE_EDGES)))
+    accepted: np.ndarray = field(default_factory=lambda: np.zeros(len(GATE_EDGES)))
+
+    @staticmethod
+    def bins(conf: np.ndarray) -> np.ndarray:
+        """[N] bin of each log confidence: bin i holds [GATE_EDGES[i], GATE_EDGES[i + 1]) (the last: >= 0)."""
+        return np.clip(np.searchsorted(GATE_EDGES, conf, side="right") - 1, 0, len(GATE_EDGES) - 1)
+
+    def observe(self, conf: np.ndarray, path: Sequence[int]) -> None:
+        """One verified round: conf [N] of its nodes, `path` the accepted ones."""
+        b = self.bins(conf)
+        np.add.at(self.drafted, b, 1.0)
+        if len(path):
+            np.add.at(self.accepted, b[list(path)], 1.0)
+
+    def decay(self, factor: float) -> None:
+        """Forget old rounds, except in bins left with fewer than MIN_BIN_NODES: a gated bin is drafted on
+        exploration steps only, and forgetting the evidence that cut it would open it again."""
+        f = np.where(self.drafted * factor >= MIN_BIN_NODES, factor, 1.0)
+        self.drafted *= f
+        self.accepted *= f
+
+    @property
+    def nodes(self) -> float:
+        return float(self.drafted.sum())
+
+    def acceptance(self, upper: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(bins with counts, pi per bin): accepted / drafted fitted non-decreasing in confidence (isotonic,
+        weighted by the counts: a more confident node is not accepted less often). upper: the GATE_QUANTILE
+        upper bound of each bin's rate (Beta posterior, uniform prior) instead, fitted the same way: a bin
+        drafted 200 times and never accepted may still be accepted 1 % of the time."""
+        from scipy.optimize import isotonic_regression
+        from scipy.stats import beta
+
+        seen = np.flatnonzero(self.drafted > 0)
+        if len(seen) == 0:
+            return seen, np.zeros(0)
+        acc, n = self.accepted[seen], self.drafted[seen]
+        rate = beta.ppf(GATE_QUANTILE, acc + 1, n - acc + 1) if upper else acc / n
+        return seen, isotonic_regression(rate, weights=n, increasing=True).x
+
+    def gate(self, tau: float) -> float:
+        """The lowest log confidence to keep for break-even acceptance `tau` (NO_GATE: keep all): the lower
+        edge of the least confident measured bin whose upper-bound pi >= tau (every more confident one has
+        too). A bin is dropped only when its measurements show it below the break-even."""
+        if tau <= 0 or self.nodes < MIN_GATE_NODES:
+            return NO_GATE
+        seen, pi = self.acceptance(upper=True)
+        ok = np.flatnonzero(pi >= tau)
+        if len(ok) == len(seen):  # every measured bin pays
+            return NO_GATE
+        if len(ok) == 0:  # none does: keep the most confident bin's nodes (`none` is the plan's decision)
+            return float(GATE_EDGES[seen[-1]])
+        return float(GATE_EDGES[seen[ok[0]]])
 
 
 @dataclass
@@ -394,19 +499,32 @@ class Decision:
     measured: Prediction | None  # the old plan's own rounds and steps in this bucket since the last re-plan
     measured_steps: float
     replan_ms: float = 0.0
+    old_gate: float = NO_GATE  # score gate: log confidence below which nodes are dropped
+    new_gate: float = NO_GATE
+    tau: float = 0.0  # the break-even acceptance it was set from
 
     @property
     def changed(self) -> bool:
         return self.old.key != self.new.key
+
+    @property
+    def gate_changed(self) -> bool:
+        return self.old_gate != self.new_gate
 
     def describe(self, drafter: str) -> str:
         meas = ("n/a" if self.measured is None else
                 f"{self.measured.tokens:.2f} tokens/round at {self.measured.step_ms:.2f} ms/step "
                 f"over {self.measured_steps:.0f} steps")
         o, n = self.old_predicted, self.new_predicted
+        gate = (f"; score gate {_gate_text(self.old_gate)} -> {_gate_text(self.new_gate)} (break-even acceptance "
+                f"{self.tau:.3f})" if self.gate_changed else "")
         return (f"Tree shape plan ({drafter}, batch <= {self.bucket}): {self.old} -> {self.new}; predicted "
                 f"{o.tokens:.2f} -> {n.tokens:.2f} tokens/round, {o.step_ms:.2f} -> {n.step_ms:.2f} ms/step "
-                f"({o.rate * 1e3:.0f} -> {n.rate * 1e3:.0f} tok/s per request); measured {meas}")
+                f"({o.rate * 1e3:.0f} -> {n.rate * 1e3:.0f} tok/s per request); measured {meas}{gate}")
+
+
+def _gate_text(gate: float) -> str:
+    return "off" if gate == NO_GATE else f"confidence >= {math.exp(gate):.3g}"
 
 
 @dataclass
@@ -427,13 +545,15 @@ class OnlinePolicy:
         replan_every: steps between re-plans.
         explore_every: base period, in steps, of unpruned exploration steps.
         hysteresis: a new plan must be predicted this much faster than the current one (0.05 = 5 %).
+        score_gate: also drop, request by request, the nodes whose calibrated acceptance is below the
+            marginal row's break-even (deterministic and greedy trees with scores; see the module docstring).
         max_depth: deepest tree planned (default min(max_nodes, MAX_DEPTH)).
         sync: called at every re-plan with (plans, decisions, drifted, changes) on every tensor-parallel rank,
             returns rank 0's: all ranks must draft the same trees (their timings differ).
     """
 
     def __init__(self, max_nodes: int, *, replan_every: int = 256, explore_every: int = 16,
-                 hysteresis: float = 0.05, max_depth: int | None = None,
+                 hysteresis: float = 0.05, max_depth: int | None = None, score_gate: bool = True,
                  clock: Callable[[], float] = time.perf_counter, sync: Callable[[tuple], tuple] | None = None) -> None:
         if max_nodes < 1 or replan_every < 1 or explore_every < 2 or hysteresis < 0:
             raise ValueError(f"max_nodes = {max_nodes}, replan_every = {replan_every}, explore_every = "
@@ -442,7 +562,10 @@ class OnlinePolicy:
         self.max_depth = max(1, min(max_nodes, max_depth or MAX_DEPTH))
         self.replan_every, self.explore_every, self.hysteresis = replan_every, explore_every, hysteresis
         self.clock, self.sync = clock, sync
+        self.score_gate = score_gate
         self.profile = AcceptanceProfile(self.max_depth)
+        self.calibration = ScoreCalibration()
+        self.gates: dict[int, float] = {}  # bucket -> log confidence below which nodes are dropped
         self.costs: dict[int, BucketCosts] = {}
         self.plans: dict[int, Plan] = {}  # bucket -> plan (absent: the nearest planned bucket's, else FULL)
         self.early: set[int] = set()  # buckets that triggered their one early re-plan
@@ -471,6 +594,10 @@ class OnlinePolicy:
             return FULL
         near = min(self.plans, key=lambda b: (abs(math.log2(b) - math.log2(bucket)), b))
         return self.plans[near]
+
+    def gate_for(self, batch_size: int) -> float:
+        """The bucket's score gate (NO_GATE until it is planned with a calibrated drafter)."""
+        return self.gates.get(bucket_of(batch_size), NO_GATE)
 
     def exploring(self) -> bool:
         """Whether the current step explores (deterministic: a step counter)."""
@@ -575,8 +702,8 @@ class OnlinePolicy:
                 if d is not None:
                     decisions.append(d)
         if self.sync is not None:  # every rank re-plans at the same step (a step counter): take rank 0's result
-            self.plans, decisions, self.drifted, self.changes = self.sync(
-                (self.plans, decisions, self.drifted, self.changes))
+            self.plans, self.gates, decisions, self.drifted, self.changes = self.sync(
+                (self.plans, self.gates, decisions, self.drifted, self.changes))
         changed = any(d.changed for d in decisions) or self.drifted
         self.drifted = False
         self.measured = {}  # each window measures the plan it ran
@@ -585,9 +712,19 @@ class OnlinePolicy:
         # forget old measurements, but keep enough to plan on (a `none` plan learns from exploration only)
         if self.profile.rounds * DECAY >= MIN_ROUNDS:
             self.profile.decay(DECAY)
+        if self.calibration.nodes * DECAY >= MIN_GATE_NODES:
+            self.calibration.decay(DECAY)
         for c in self.costs.values():
             c.decay(DECAY if c.w * DECAY >= 4 * MIN_STEPS else 1.0, DECAY)
         return decisions
+
+    def _break_even(self, b: int, plan: Plan, pred: Prediction, pooled: float | None) -> float:
+        """tau = slope * B * E / ms: the acceptance at which one more row neither raises nor lowers the batch's
+        tokens per ms under `plan` (0 where the slope is unknown or the plan drafts nothing)."""
+        line = self.costs[b].line(pooled)
+        if plan.kind == "none" or line is None:
+            return 0.0
+        return line[1] * self.costs[b].batch * pred.tokens / pred.step_ms
 
     def _replan_bucket(self, b: int, cands: list[Plan], yields: dict, a, f, pooled) -> Decision | None:
         old = self._current(b)
@@ -615,8 +752,13 @@ class OnlinePolicy:
             best, best_pred = old, old_pred  # not enough faster to be worth a switch
         measured = (Prediction(m.tokens / m.rounds if m.rounds else 1.0, m.step_ms / m.steps)
                     if m is not None and m.steps >= 1 else None)
-        d = Decision(b, old, best, old_pred, best_pred, measured, m.steps if m is not None else 0.0)
+        tau = self._break_even(b, best, best_pred, pooled)
+        old_gate = self.gates.get(b, NO_GATE)
+        new_gate = self.calibration.gate(tau) if self.score_gate and best.kind != "none" else NO_GATE
+        d = Decision(b, old, best, old_pred, best_pred, measured, m.steps if m is not None else 0.0,
+                     old_gate=old_gate, new_gate=new_gate, tau=tau)
         self.plans[b] = best  # planned from its own measurements now (it no longer borrows a neighbour's)
+        self.gates[b] = new_gate
         if d.changed:
             self.changes += 1
         return d
@@ -635,6 +777,7 @@ class _Pending:
     applied: Plan  # what it was drafted under
     explored: bool  # on an exploration step
     asked: int  # the budget the drafter was given (0: nothing asked, nothing to learn)
+    conf: np.ndarray | None = None  # [N] log confidence of the verified nodes (None: not calibrated)
 
 
 class ShapePolicy:
@@ -677,14 +820,21 @@ class ShapePolicy:
         out = drafter.propose(list(requests), asked) if requests else []
         if applied.kind == "tree":
             out = [prune_to_shape(p, applied) for p in out]
+        gate = NO_GATE if explore else pol.gate_for(len(requests))  # exploration calibrates every confidence
+        probs = bool(getattr(drafter, "scores_are_probs", False))
+        confs = [confidence(p.scores, probs) if p.scores is not None and p.mode in GATED_MODES else None
+                 for p in out]
+        if gate != NO_GATE:
+            out = [p if c is None else gate_by_confidence(p, c, gate) for p, c in zip(out, confs)]
+            confs = [None if c is None else confidence(p.scores, probs) for p, c in zip(out, confs)]
         self._last_draft_ms = (pol.clock() - t0) * 1e3
         self._last_start = start  # a step's interval runs from one propose call to the next
         self._last_ids = ids
         self._last_rows = sum(1 + p.num_nodes for p in out)
         self._last_drafted = any(asked)
         self._last_explored = explore
-        for r, p, n in zip(requests, out, asked):
-            self._pending[r.req_id] = _Pending(len(r.token_ids), p.tree, applied, explore, n)
+        for r, p, n, c in zip(requests, out, asked, confs):
+            self._pending[r.req_id] = _Pending(len(r.token_ids), p.tree, applied, explore, n, c)
         return out
 
     def _observe(self, req: DraftRequest, batch_size: int, learn: bool = True) -> bool:
@@ -710,6 +860,8 @@ class ShapePolicy:
             path.append(nxt)
             row = nxt + 1
         self.policy.observe_round(batch_size, tree, path, prev.applied, prev.explored, struct)
+        if prev.conf is not None:
+            self.policy.calibration.observe(prev.conf, path)
         return True
 
     def finish_request(self, req_id: Hashable) -> None:

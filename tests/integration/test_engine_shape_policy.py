@@ -91,7 +91,7 @@ def test_measured_policy_serves_identically_and_exports_its_plan(setup):
         del llm
     compare_greedy(base.outputs, [list(o.outputs[0].token_ids) for o in outs], raw, TieChecker(model))
     for b in ("1", "2", "4"):
-        for name in ("plan_nodes", "plan_depth", "plan_width", "plan_full"):
+        for name in ("plan_nodes", "plan_depth", "plan_width", "plan_full", "plan_score_gate"):
             assert f'vllm_tree_spec:{name}{{batch_size="{b}",drafter="ngram"}}' in text, (name, b)
     assert _plan_changes(text) - before == pol.changes
 

@@ -209,9 +209,12 @@ class TreeDrafter(ABC):
         validate_proposals: check every proposal (cheap: O(N) Python per tree,
             plus O(N * V) on q rows for sampled trees). Turn off in production
             once the drafter is trusted.
+        scores_are_probs: the proposals' `scores` are path frequencies in [0, 1]
+            (False: log q of the path); the shape policy's score gate reads them.
     """
 
     vocab_size: int | None = None
+    scores_are_probs: bool = False
 
     def __init__(self, *, validate_proposals: bool = True) -> None:
         self.validate_proposals = validate_proposals

@@ -143,6 +143,8 @@ class NgramTreeDrafter(TreeDrafter):
         validate_proposals: see `TreeDrafter`.
     """
 
+    scores_are_probs = True  # scores: each node's share of the matched continuations
+
     def __init__(
         self,
         *,

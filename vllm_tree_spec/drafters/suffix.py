@@ -73,6 +73,8 @@ class SuffixTreeDrafter(TreeDrafter):
         validate_proposals: see `TreeDrafter`.
     """
 
+    scores_are_probs = True  # scores: the library's path frequencies
+
     def __init__(
         self,
         *,

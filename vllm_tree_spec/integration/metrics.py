@@ -106,6 +106,9 @@ class PlanGauges:
         self.full = _metric("Gauge", "vllm_tree_spec:plan_full",
                             "1 while the plan is the drafter's own unpruned tree (nodes/depth/width: its caps)",
                             labels, **kw)
+        self.score_gate = _metric("Gauge", "vllm_tree_spec:plan_score_gate",
+                                  "Break-even acceptance below which the score gate drops draft nodes (0 = off)",
+                                  labels, **kw)
         self.changes = _metric("Counter", "vllm_tree_spec:plan_changes", "Changes of the shape plan", ("drafter",))
         self.changes.labels(drafter=drafter).inc(0)
 
@@ -115,6 +118,9 @@ class PlanGauges:
         self.depth.labels(**label).set(depth)
         self.width.labels(**label).set(width)
         self.full.labels(**label).set(int(full))
+
+    def gate(self, bucket: int, tau: float) -> None:
+        self.score_gate.labels(drafter=self.drafter, batch_size=str(bucket)).set(tau)
 
     def changed(self, n: int = 1) -> None:
         self.changes.labels(drafter=self.drafter).inc(n)

@@ -3,10 +3,10 @@
 `TreeProposer` wraps its drafter in a `ShapePolicy` (online_policy.py: what is measured, how it re-plans,
 how a plan is applied and explored); this module adds what users see:
 
-    log      one INFO line per change of plan: bucket, old -> new, predicted tokens/round, ms/step and
-             tok/s of both, and what the old plan measured since it was chosen
-    metrics  `vllm_tree_spec:plan_nodes|plan_depth|plan_width|plan_full{drafter, batch_size}` and
-             `vllm_tree_spec:plan_changes_total{drafter}` (metrics.PlanGauges)
+    log      one INFO line per change of plan or of its score gate: bucket, old -> new, predicted
+             tokens/round, ms/step and tok/s of both, and what the old plan measured since it was chosen
+    metrics  `vllm_tree_spec:plan_nodes|plan_depth|plan_width|plan_full|plan_score_gate{drafter, batch_size}`
+             and `vllm_tree_spec:plan_changes_total{drafter}` (metrics.PlanGauges)
 
 and, under tensor parallelism, makes every rank hold rank 0's plan: each rank drafts its own trees and
 the scheduler's drafts (rank 0's) must match them, while each rank's own step timings differ; the
@@ -16,6 +16,8 @@ collective only).
 """
 
 from __future__ import annotations
+
+import math
 
 from vllm.logger import init_logger
 
@@ -31,16 +33,19 @@ def make_shape_policy(cfg: TreeSpecConfig, max_num_seqs: int | None = None) -> S
     if cfg.budgets != "auto":
         return None
     policy = OnlinePolicy(cfg.max_nodes, replan_every=cfg.replan_every, explore_every=cfg.explore_every,
-                          sync=_from_first_rank)
+                          score_gate=cfg.score_gate, sync=_from_first_rank)
     gauges = _Gauges(cfg, max_num_seqs or 1)
 
     def on_decisions(decisions: list[Decision]) -> None:
         for d in decisions:
-            if d.changed:
+            if d.gate_changed:
+                gauges.metrics.gate(d.bucket, d.tau if d.new_gate != -math.inf else 0.0)
+            if d.changed or d.gate_changed:
                 if _rank() == 0:  # every rank holds rank 0's plan; one log line
                     logger.info("%s (re-plan %.2f ms)", d.describe(cfg.drafter), d.replan_ms)
-                gauges.plan(d.bucket, d.new)
-                gauges.metrics.changed()
+                if d.changed:
+                    gauges.plan(d.bucket, d.new)
+                    gauges.metrics.changed()
             else:
                 logger.debug("%s (kept; re-plan %.2f ms)", d.describe(cfg.drafter), d.replan_ms)
 
@@ -83,8 +88,9 @@ class _Gauges:
         else:
             self.full_caps = (lay.num_nodes, lay.max_depth, Plan.of(lay).width)
         b = 1
-        while True:  # every bucket starts on `full`
+        while True:  # every bucket starts on `full`, ungated
             self.plan(b, Plan("full"))
+            self.metrics.gate(b, 0.0)
             if b >= max_num_seqs:
                 break
             b *= 2
