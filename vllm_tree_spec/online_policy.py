@@ -822,8 +822,8 @@ class ShapePolicy:
             out = [prune_to_shape(p, applied) for p in out]
         gate = NO_GATE if explore else pol.gate_for(len(requests))  # exploration calibrates every confidence
         probs = bool(getattr(drafter, "scores_are_probs", False))
-        confs = [confidence(p.scores, probs) if p.scores is not None and p.mode in GATED_MODES else None
-                 for p in out]
+        confs = [confidence(p.scores, probs) if pol.score_gate and p.scores is not None and p.mode in GATED_MODES
+                 else None for p in out]
         if gate != NO_GATE:
             out = [p if c is None else gate_by_confidence(p, c, gate) for p, c in zip(out, confs)]
             confs = [None if c is None else confidence(p.scores, probs) for p, c in zip(out, confs)]

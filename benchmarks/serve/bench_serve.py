@@ -43,6 +43,7 @@ Configurations (`--configs`, D from `--budgets`):
     tree-ngram             tree drafter `ngram` (same lookup), <= D nodes
     tree-ngram-fallback    tree-ngram with --fallback-budgets
     tree-ngram-chain       tree drafter `ngram` with "tree": "chain:D" and a static budget of D (as tree-suffix-chain)
+    tree-suffix-nogate, tree-ngram-nogate  the default policy with "score_gate": false (A/B of the score gate)
     linear-draft           vLLM `draft_model` with --draft, chain of D (vLLM's default: argmax drafts, q one-hot)
     linear-draft-prob      the same with "draft_sample_method": "probabilistic" (drafts sampled from q, p/q test)
     tree-draft-static      tree drafter `draft_model`, a fixed D-node tree (Sequoia-optimal for a generic
@@ -97,7 +98,8 @@ for _p in (str(HERE), str(ROOT)):
 from serve_datasets import DATASETS, Prompt, build_pool, distribution, extract_code  # noqa: E402
 
 CONFIG_KINDS = ("off", "linear-suffix", "tree-suffix", "tree-suffix-fallback", "linear-suffix-wide", "tree-suffix-wide",
-                "tree-suffix-chain", "linear-ngram", "tree-ngram", "tree-ngram-fallback", "tree-ngram-chain",
+                "tree-suffix-chain", "tree-suffix-nogate", "linear-ngram", "tree-ngram", "tree-ngram-fallback",
+                "tree-ngram-chain", "tree-ngram-nogate",
                 "linear-draft", "linear-draft-prob",
                 "tree-draft-static", "tree-draft-dynamic", "tree-draft-sampled", "tree-draft-planned",
                 "linear-eagle3", "linear-eagle3-prob", "tree-eagle3-dynamic", "tree-eagle3-planned",
@@ -217,6 +219,7 @@ def make_config(kind: str, budget: int, draft: str | None = None, fallback: dict
         "linear-suffix": {"method": "suffix", "num_speculative_tokens": d},
         "tree-suffix": {"method": "tree", "drafter": "suffix", "num_speculative_tokens": d},
         "tree-suffix-fallback": {"method": "tree", "drafter": "suffix", "num_speculative_tokens": d},
+        "tree-suffix-nogate": {"method": "tree", "drafter": "suffix", "num_speculative_tokens": d, "score_gate": False},
         "linear-suffix-wide": {"method": "suffix", "num_speculative_tokens": d,
                                "suffix_decoding_max_spec_factor": WIDE_SUFFIX["max_spec_factor"],
                                "suffix_decoding_min_token_prob": WIDE_SUFFIX["min_token_prob"]},
@@ -224,6 +227,8 @@ def make_config(kind: str, budget: int, draft: str | None = None, fallback: dict
         "linear-ngram": {"method": "ngram", "num_speculative_tokens": d, **lookup},
         "tree-ngram": {"method": "tree", "drafter": "ngram", "num_speculative_tokens": d, **lookup},
         "tree-ngram-fallback": {"method": "tree", "drafter": "ngram", "num_speculative_tokens": d, **lookup},
+        "tree-ngram-nogate": {"method": "tree", "drafter": "ngram", "num_speculative_tokens": d, "score_gate": False,
+                              **lookup},
         # a static budget: the online policy would prune the chain (or switch it off)
         "tree-ngram-chain": {"method": "tree", "drafter": "ngram", "tree": f"chain:{d}", "num_speculative_tokens": d,
                              "budgets": {"1024": d}, **lookup},

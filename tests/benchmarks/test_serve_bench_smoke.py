@@ -249,6 +249,8 @@ def test_metrics_parser_and_config_catalogue():
             assert cfg.max_nodes <= 6 and cfg.num_slots == 6
         if kind.endswith("fallback"):
             assert c.spec["budgets"] == {"4": 6, "16": 3, "64": 0}
+        if kind.endswith("nogate"):
+            assert parse_tree_config(c.spec).score_gate is False and c.spec["drafter"] in kind
     static = parse_tree_config(make_config("tree-draft-static", 6, draft="/d").spec)
     dynamic = parse_tree_config(make_config("tree-draft-dynamic", 6, draft="/d").spec)
     assert not static.is_dynamic and dynamic.is_dynamic and static.max_nodes == dynamic.max_nodes == 6
