@@ -227,6 +227,8 @@ def confidence(scores: torch.Tensor, scores_are_probs: bool) -> np.ndarray:
 def gate_by_confidence(proposal: TreeProposal, conf: np.ndarray, min_conf: float) -> TreeProposal:
     """The nodes of `proposal` whose log confidence is >= min_conf and whose parent is kept (ancestor-closed,
     same order; verification of the result is as lossless as of the whole tree)."""
+    if len(conf) == 0 or conf.min() >= min_conf:  # the common case where rows are cheap: nothing to cut
+        return proposal
     parents = proposal.tree.parents.tolist()
     kept = [False] * len(parents)
     for i, p in enumerate(parents):  # topological order: a parent is decided before its children
@@ -240,6 +242,11 @@ def _keep_nodes(proposal: TreeProposal, keep: list[int]) -> TreeProposal:
     parents = tree.parents.tolist()
     if len(keep) == len(parents):
         return proposal
+    k = len(keep)
+    if k == 0 or keep[-1] == k - 1:  # a prefix (chains, score-ordered trees, nothing): slices, no re-indexing
+        q, scores = proposal.draft_probs, proposal.scores
+        return TreeProposal(Tree(tree.parents[:k], tree.tokens[:k]), proposal.mode, None if q is None else q[: k + 1],
+                            None if scores is None else scores[:k])
     new_index = {j: k for k, j in enumerate(keep)}
     kept_parents = [NO_PARENT if parents[j] < 0 else new_index[parents[j]] for j in keep]  # parents are kept too
     idx = torch.tensor(keep, dtype=torch.long)
@@ -777,7 +784,8 @@ class _Pending:
     applied: Plan  # what it was drafted under
     explored: bool  # on an exploration step
     asked: int  # the budget the drafter was given (0: nothing asked, nothing to learn)
-    conf: np.ndarray | None = None  # [N] log confidence of the verified nodes (None: not calibrated)
+    scores: torch.Tensor | None = None  # [N] the verified nodes' drafter scores (None: not calibrated)
+    scores_are_probs: bool = False
 
 
 class ShapePolicy:
@@ -822,19 +830,18 @@ class ShapePolicy:
             out = [prune_to_shape(p, applied) for p in out]
         gate = NO_GATE if explore else pol.gate_for(len(requests))  # exploration calibrates every confidence
         probs = bool(getattr(drafter, "scores_are_probs", False))
-        confs = [confidence(p.scores, probs) if pol.score_gate and p.scores is not None and p.mode in GATED_MODES
-                 else None for p in out]
+        gated = [pol.score_gate and p.scores is not None and p.mode in GATED_MODES for p in out]
         if gate != NO_GATE:
-            out = [p if c is None else gate_by_confidence(p, c, gate) for p, c in zip(out, confs)]
-            confs = [None if c is None else confidence(p.scores, probs) for p, c in zip(out, confs)]
+            out = [gate_by_confidence(p, confidence(p.scores, probs), gate) if g else p for p, g in zip(out, gated)]
         self._last_draft_ms = (pol.clock() - t0) * 1e3
         self._last_start = start  # a step's interval runs from one propose call to the next
         self._last_ids = ids
         self._last_rows = sum(1 + p.num_nodes for p in out)
         self._last_drafted = any(asked)
         self._last_explored = explore
-        for r, p, n, c in zip(requests, out, asked, confs):
-            self._pending[r.req_id] = _Pending(len(r.token_ids), p.tree, applied, explore, n, c)
+        for r, p, n, g in zip(requests, out, asked, gated):  # confidence is computed for the rounds read back only
+            self._pending[r.req_id] = _Pending(len(r.token_ids), p.tree, applied, explore, n,
+                                               p.scores if g else None, probs)
         return out
 
     def _observe(self, req: DraftRequest, batch_size: int, learn: bool = True) -> bool:
@@ -860,8 +867,8 @@ class ShapePolicy:
             path.append(nxt)
             row = nxt + 1
         self.policy.observe_round(batch_size, tree, path, prev.applied, prev.explored, struct)
-        if prev.conf is not None:
-            self.policy.calibration.observe(prev.conf, path)
+        if prev.scores is not None:
+            self.policy.calibration.observe(confidence(prev.scores, prev.scores_are_probs), path)
         return True
 
     def finish_request(self, req_id: Hashable) -> None:
