@@ -242,6 +242,34 @@ def test_catch_up_after_accepts_and_rewind(setup):
     torch.testing.assert_close(prop.draft_probs[0], want, atol=1e-5, rtol=1e-4)
 
 
+def test_budget_zero_steps_defer_the_catch_up(setup):
+    """Steps with budget 0 (the shape policy's `none`) run no head forward; the next drafting step catches
+    the head up over the whole gap in one forward and gives the same root q as a fresh run."""
+    _, target, heads = setup
+    head = load_head(heads["speculators"])
+    drafter = Eagle3TreeDrafter(head, StaticPolicy.of(Tree.chain(3)), return_draft_probs=True)
+    g = torch.Generator().manual_seed(3)
+    toks = torch.randint(7, VOCAB, (9,), generator=g).tolist()
+    start(drafter, target, "a", toks)
+    drafter.propose([DraftRequest("a", toks, 0.0)], 3)
+    cached = drafter.cached_tokens("a")
+    assert cached == toks[1:]
+    calls = []
+    feed = drafter._feed
+    drafter._feed = lambda todo: (calls.append(sum(len(t) for _, _, t in todo)), feed(todo))[1]
+    for extra in (2, 1, 3):  # three steps without speculation: one committed token each (plus a no-op)
+        n = len(toks)
+        toks = toks + torch.randint(7, VOCAB, (extra,), generator=g).tolist()
+        drafter.observe_target(["a"], [list(range(n - 1, len(toks) - 1))], torch.arange(len(toks)),
+                               aux_states(target, toks))
+        assert drafter.propose([DraftRequest("a", toks, 0.0)], 0)[0].num_nodes == 0
+    assert calls == [] and drafter.cached_tokens("a") == cached  # nothing fed while not drafting
+    prop = drafter.propose([DraftRequest("a", toks, 0.0)], 3)[0]
+    assert calls == [6] and drafter.cached_tokens("a") == toks[1:]  # the gap's six entries in one forward
+    want = torch.softmax(head.target_logits(reference_logits(head, toks, aux_states(target, toks), ())).float(), -1)
+    torch.testing.assert_close(prop.draft_probs[0], want, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("replacement", [True, False])
 def test_sampled_children_return_q(setup, replacement):
     """Sampled trees carry q rows (validated: normalised, every child drawable) in the matching mode."""

@@ -309,7 +309,6 @@ class LevelTreeDrafter(TreeDrafter):
         out: list[TreeProposal | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         modes: list[Mode] = []
-        all_states = self._prepare(requests)
         for i, (req, budget) in enumerate(zip(requests, budgets)):
             policy, mode = self._plan(req, budget)
             modes.append(mode)
@@ -317,8 +316,13 @@ class LevelTreeDrafter(TreeDrafter):
                 out[i] = TreeProposal.empty(mode)
             else:
                 groups.setdefault((policy, mode.needs_draft_probs), []).append(i)
+        # Only requests that draft feed their new committed tokens through the draft model: one that is not
+        # speculated this step (budget 0, e.g. the shape policy's `none` plan) catches up when it next drafts,
+        # in one forward over the gap, instead of paying a draft forward every step for nothing.
+        drafting = sorted(i for idx in groups.values() for i in idx)
+        prepared = dict(zip(drafting, self._prepare([requests[i] for i in drafting]))) if drafting else {}
         for (policy, sampled), idx in groups.items():
-            states = [all_states[i] for i in idx]
+            states = [prepared[i] for i in idx]
             temps = [requests[i].temperature if sampled else TOPK_TEMPERATURE for i in idx]
             trees = [self._to_target(dt) for dt in self._build(policy, states, temps)]
             for i, dt in zip(idx, trees):
