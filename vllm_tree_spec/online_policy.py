@@ -239,15 +239,15 @@ def gate_by_confidence(proposal: TreeProposal, conf: np.ndarray, min_conf: float
 def _keep_nodes(proposal: TreeProposal, keep: list[int]) -> TreeProposal:
     """The proposal restricted to the ancestor-closed node list `keep` (ascending)."""
     tree = proposal.tree
-    parents = tree.parents.tolist()
-    if len(keep) == len(parents):
-        return proposal
     k = len(keep)
+    if k == tree.num_nodes:
+        return proposal
     if k == 0 or keep[-1] == k - 1:  # a prefix (chains, score-ordered trees, nothing): slices, no re-indexing
         q, scores = proposal.draft_probs, proposal.scores
         return TreeProposal(Tree(tree.parents[:k], tree.tokens[:k]), proposal.mode, None if q is None else q[: k + 1],
                             None if scores is None else scores[:k])
-    new_index = {j: k for k, j in enumerate(keep)}
+    parents = tree.parents.tolist()
+    new_index = {j: i for i, j in enumerate(keep)}
     kept_parents = [NO_PARENT if parents[j] < 0 else new_index[parents[j]] for j in keep]  # parents are kept too
     idx = torch.tensor(keep, dtype=torch.long)
     q = proposal.draft_probs

@@ -90,6 +90,18 @@ def start(drafter, target, rid, tokens, feats_fn=None):
     return aux
 
 
+def chain_drafter(setup, seed: int, n: int):
+    """(target, head, drafter, generator, tokens): a 3-chain drafter on the speculators head, request "a"
+    started on n random tokens."""
+    _, target, heads = setup
+    head = load_head(heads["speculators"])
+    drafter = Eagle3TreeDrafter(head, StaticPolicy.of(Tree.chain(3)), return_draft_probs=True)
+    g = torch.Generator().manual_seed(seed)
+    toks = torch.randint(7, VOCAB, (n,), generator=g).tolist()
+    start(drafter, target, "a", toks)
+    return target, head, drafter, g, toks
+
+
 @pytest.mark.parametrize("layout", ["eagle", "speculators"])
 def test_logits_equal_vllm_eagle3_class(setup, layout):
     """Our head == vLLM's Eagle3LlamaForCausalLM on the same checkpoint (vLLM's loader, name mapping, d2t);
@@ -215,12 +227,7 @@ def test_path_invariant(setup, name, gemm):
 
 def test_catch_up_after_accepts_and_rewind(setup):
     """Committed head KV after several steps (and after a rewind) gives the same root q as a fresh run."""
-    _, target, heads = setup
-    head = load_head(heads["speculators"])
-    drafter = Eagle3TreeDrafter(head, StaticPolicy.of(Tree.chain(3)), return_draft_probs=True)
-    g = torch.Generator().manual_seed(2)
-    toks = torch.randint(7, VOCAB, (10,), generator=g).tolist()
-    start(drafter, target, "a", toks)
+    target, head, drafter, g, toks = chain_drafter(setup, seed=2, n=10)
     for step, extra in enumerate([3, 1, 4]):
         drafter.propose([DraftRequest("a", toks, 0.0)], 3)
         n = len(toks)
@@ -245,12 +252,7 @@ def test_catch_up_after_accepts_and_rewind(setup):
 def test_budget_zero_steps_defer_the_catch_up(setup):
     """Steps with budget 0 (the shape policy's `none`) run no head forward; the next drafting step catches
     the head up over the whole gap in one forward and gives the same root q as a fresh run."""
-    _, target, heads = setup
-    head = load_head(heads["speculators"])
-    drafter = Eagle3TreeDrafter(head, StaticPolicy.of(Tree.chain(3)), return_draft_probs=True)
-    g = torch.Generator().manual_seed(3)
-    toks = torch.randint(7, VOCAB, (9,), generator=g).tolist()
-    start(drafter, target, "a", toks)
+    target, head, drafter, g, toks = chain_drafter(setup, seed=3, n=9)
     drafter.propose([DraftRequest("a", toks, 0.0)], 3)
     cached = drafter.cached_tokens("a")
     assert cached == toks[1:]

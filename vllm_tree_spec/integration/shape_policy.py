@@ -17,12 +17,10 @@ collective only).
 
 from __future__ import annotations
 
-import math
-
 from vllm.logger import init_logger
 
 from vllm_tree_spec.config import TreeSpecConfig
-from vllm_tree_spec.online_policy import Decision, OnlinePolicy, Plan, ShapePolicy
+from vllm_tree_spec.online_policy import NO_GATE, Decision, OnlinePolicy, Plan, ShapePolicy
 from vllm_tree_spec.tree import TreeShape
 
 logger = init_logger(__name__)
@@ -39,7 +37,7 @@ def make_shape_policy(cfg: TreeSpecConfig, max_num_seqs: int | None = None) -> S
     def on_decisions(decisions: list[Decision]) -> None:
         for d in decisions:
             if d.gate_changed:
-                gauges.metrics.gate(d.bucket, d.tau if d.new_gate != -math.inf else 0.0)
+                gauges.metrics.gate(d.bucket, d.tau if d.new_gate != NO_GATE else 0.0)
             if d.changed or d.gate_changed:
                 if _rank() == 0:  # every rank holds rank 0's plan; one log line
                     logger.info("%s (re-plan %.2f ms)", d.describe(cfg.drafter), d.replan_ms)
