@@ -405,3 +405,31 @@ def test_greedy_batch_from_argmax_rows_equals_the_distribution_path():
             assert torch.equal(getattr(full, name), getattr(fast, name)), name
     with pytest.raises(ValueError, match="target_probs is required"):
         verify_batch(batch, None, None, "sampled", target_argmax=p.argmax(-1))
+
+
+def test_greedy_host_walk_equals_the_tensor_walk():
+    """CPU all-greedy batches are walked on host lists; every output field equals the tensor walk's (and the
+    sync-free one's) with duplicate siblings, stop-id lists, budgets and draftless requests, and the reference."""
+    rng = random.Random(77)
+    fields = ("accepted_nodes", "num_accepted", "next_token", "output_token_ids", "walked")
+    for trial in range(60):
+        vocab = rng.randint(2, 7)
+        trees, batch, p, q = random_batch(rng, vocab, rng.randint(1, 6), rng.choice([0, 3, 9]), torch.float64,
+                                          sharp=4.0, distinct=rng.random() < 0.5)
+        stops = torch.tensor([[rng.choice([-1, -1, rng.randrange(vocab)]) for _ in range(2)] for _ in trees])
+        budget = torch.tensor([rng.choice([1, 2, 3, 100]) for _ in trees])
+        y = p.argmax(-1)
+        kw = dict(eos_token_id=stops, max_tokens=budget, target_argmax=y)
+        host = verify_batch(batch, None, None, "greedy", **kw)
+        tensor = verify_batch(batch, None, None, "greedy", host_greedy=False, **kw)
+        free = verify_batch(batch, None, None, "greedy", sync_free=True, **kw)
+        for name in fields:
+            assert torch.equal(getattr(host, name), getattr(tensor, name)), (trial, name)
+            assert torch.equal(getattr(host, name), getattr(free, name)), (trial, name)
+        coins = VerifyCoins.draw(len(trees), batch.max_depth, batch.max_children, vocab, dtype=torch.float64)
+        for b, tree in enumerate(trees):
+            s, e = int(batch.cu_num_rows[b]), int(batch.cu_num_rows[b + 1])
+            ids = [int(t) for t in stops[b] if t >= 0]
+            ref = verify_tree_with_coins(tree.parents, tree.tokens, p[s:e], q[s:e], "greedy", coins, b=b,
+                                         eos_token_id=ids or None, max_tokens=int(budget[b]))
+            assert (host.accepted(b), int(host.next_token[b])) == ref, (trial, b, tree)

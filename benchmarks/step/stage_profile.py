@@ -8,7 +8,9 @@ same prompt lookup (1..3), D = 6, greedy:
              the n-gram drafter verify its best chain only)
     linear   {"method": "ngram", "num_speculative_tokens": 6}
 
-at each batch size (`--batches`, max_num_seqs = batch, all prompts submitted at once). The engine's own methods
+at each batch size (`--batches`, max_num_seqs = batch, all prompts submitted at once). `--engines` also
+takes the default policy (`budgets: "auto"`, score gate on: tree-policy for n-gram, tree-suffix-policy)
+and linear-suffix (vLLM's suffix decoding), the serving benchmark's "never below linear" pairs. The engine's own methods
 are wrapped here, in the benchmark (nothing on the serving path), and timed per engine step, in wall time
 (`time.perf_counter`) and process CPU time (`time.process_time`). Stages, per step:
 
@@ -73,6 +75,11 @@ ENGINES = {
     "tree": {"method": "tree", "drafter": "ngram", "tree": f"chain:{D}", "num_speculative_tokens": D,
              "budgets": {"1024": D}, **LOOKUP},
     "linear": {"method": "ngram", "num_speculative_tokens": D, **LOOKUP},
+    # the default policy (`budgets: "auto"`, score gate on) against vLLM's linear methods: issue 13's
+    # "never below linear" configurations (bench_serve.py's tree-ngram / tree-suffix), in-process
+    "tree-policy": {"method": "tree", "drafter": "ngram", "num_speculative_tokens": D, **LOOKUP},
+    "tree-suffix-policy": {"method": "tree", "drafter": "suffix", "num_speculative_tokens": D},
+    "linear-suffix": {"method": "suffix", "num_speculative_tokens": D},
 }
 STAGES = ("draft", "metadata", "attention", "forward", "verify", "commit", "overhead")
 
@@ -241,6 +248,10 @@ def child(args) -> None:
 def summarise(res: dict) -> dict:
     full = [s for s in res["steps"] if s["decode"] and s["reqs"] == res["batch"]]
     out = dict(steps_all=len(res["steps"]), steps=len(full), steps_with_drafts=sum(s["drafts"] > 0 for s in full))
+    prefill = [s for s in res["steps"] if not s["decode"]]  # steps with a prompt (chunk) in them: TTFT's share
+    out["prefill_steps"] = len(prefill)
+    out["prefill_wall_s"] = sum(s["wall"]["step"] for s in prefill)
+    out["prefill_tokens"] = sum(s["tokens"] for s in prefill)
     for clock in ("wall", "cpu"):
         vals = {k: [s[clock][k] for s in full] for k in STAGES + ("step",)}
         out[f"{clock}_median_ms"] = {k: 1e3 * statistics.median(v) if v else None for k, v in vals.items()}
@@ -266,12 +277,19 @@ def markdown(rows: list[dict], identity: dict, meta: dict) -> str:
             cells = [r["batch"], r["engine"], r["summary"]["steps"]] + [_f(s[k]) for k in STAGES + ("step",)]
             lines.append("| " + " | ".join(map(str, cells + [_f(r["mean_accepted_length"]), _f(rate, 1)])) + " |")
         lines.append("")
+    lines += ["**Steps with a prompt chunk** (prefill, mixed with the decodes in flight: what TTFT waits for)", "",
+              "| batch | engine | steps | tokens | wall s |", "|---|---|---|---|---|"]
+    for r in rows:
+        s = r["summary"]
+        lines.append(f"| {r['batch']} | {r['engine']} | {s['prefill_steps']} | {s['prefill_tokens']} | "
+                     f"{s['prefill_wall_s']:.2f} |")
+    lines.append("")
     lines.append("tok/round: mean accepted length (tokens per request-round with a draft, bonus included); tok/s: "
                  "output tokens per second of the whole run (wall table) or per process CPU-second (CPU table).")
     for b, r in identity.items():
-        lines.append(f"- batch {b}: greedy outputs tree vs linear: "
-                     + ("identical" if r["identical"] else f"DIFFER in {r['differ']} of {r['n']} prompts")
-                     + (f"; tree rounds {r['rounds']}, branching {r['branching']}" if "rounds" in r else ""))
+        lines.append(f"- batch {b}: greedy outputs of every engine vs {r['against']}: "
+                     + ("identical" if r["identical"] else f"DIFFER in {r['differ']} outputs of {r['n']} prompts")
+                     + "".join(f"; {e} rounds {n}, branching {r['branching'][e]}" for e, n in r["rounds"].items()))
     return "\n".join(lines) + "\n"
 
 
@@ -281,7 +299,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--datasets", default="humaneval,math", help="serve_datasets.py pool (sharegpt loads slowly)")
-    ap.add_argument("--engines", default="tree,linear")
+    ap.add_argument("--engines", default="tree,linear", help=f"comma-separated, of {', '.join(ENGINES)}")
     ap.add_argument("--threads", type=int, default=1,
                     help="OpenMP (and numba) threads of each engine (1: a 2-core server's worker)")
     ap.add_argument("--compile", action="store_true",
@@ -323,14 +341,16 @@ def main() -> None:
     identity = {}
     for b in sorted({r["batch"] for r in rows}):
         by = {r["engine"]: r for r in rows if r["batch"] == b}
-        if {"tree", "linear"} <= by.keys():
-            t, lin = by["tree"]["outputs"], by["linear"]["outputs"]
-            differ = sum(x != y for x, y in zip(t, lin)) + abs(len(t) - len(lin))
-            identity[b] = dict(identical=differ == 0, differ=differ, n=max(len(t), len(lin)),
-                               threads={e: by[e].get("torch_threads") for e in ("tree", "linear")})
-            if "tree" in by["tree"]:
-                st = by["tree"]["tree"]
-                identity[b].update(rounds=st["rounds"], branching=st["branching_rounds"])
+        first = next(iter(by))  # every engine's greedy outputs against the first engine's
+        if len(by) < 2:
+            continue
+        ref = by[first]["outputs"]
+        differ = {e: sum(x != y for x, y in zip(r["outputs"], ref)) + abs(len(r["outputs"]) - len(ref))
+                  for e, r in by.items() if e != first}
+        identity[b] = dict(identical=not any(differ.values()), differ=sum(differ.values()), n=len(ref),
+                           against=first, threads={e: r.get("torch_threads") for e, r in by.items()},
+                           rounds={e: r["tree"]["rounds"] for e, r in by.items() if "tree" in r},
+                           branching={e: r["tree"]["branching_rounds"] for e, r in by.items() if "tree" in r})
     meta = dict(label=args.label, prompts=args.prompts, max_tokens=args.max_tokens, datasets=args.datasets,
                 compile=args.compile, d=D, engines=ENGINES, date=time.strftime("%Y-%m-%d %H:%M"))
     for r in rows:
@@ -340,7 +360,7 @@ def main() -> None:
     (args.out / "stage_profile.md").write_text(md)
     print(md)
     if not all(v["identical"] for v in identity.values()):
-        sys.exit("greedy outputs differ between the tree and the linear engine")
+        sys.exit("greedy outputs differ between the engines")
     if any(len(set(v["threads"].values())) > 1 for v in identity.values()):
         sys.exit(f"the engines ran on different torch thread counts: {[v['threads'] for v in identity.values()]}")
 

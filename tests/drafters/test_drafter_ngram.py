@@ -69,10 +69,12 @@ def test_tree_is_the_weighted_trie_of_all_continuations(t, min_n, extra_n, max_d
     assert bool((tree.parents < torch.arange(tree.num_nodes)).all())
     assert tree.duplicate_siblings() == []
     # Any budget gives the first `budget` nodes of the full ranking.
+    # (The trie stops at depth `budget`: that must not change the first nodes or their scores.)
     for budget in range(tree.num_nodes + 1):
-        small = d.draft(t, budget).tree
-        assert torch.equal(small.parents, tree.parents[:budget])
-        assert torch.equal(small.tokens, tree.tokens[:budget])
+        small = d.draft(t, budget)
+        assert torch.equal(small.tree.parents, tree.parents[:budget])
+        assert torch.equal(small.tree.tokens, tree.tokens[:budget])
+        assert torch.equal(small.scores, full.scores[:budget])
 
 
 def test_worked_example():

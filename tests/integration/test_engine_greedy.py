@@ -17,11 +17,16 @@ from engine_utils import DTYPES, OracleRejection, TieChecker, compare_greedy, re
 VOCAB = 2048
 MAX_TOKENS = 48
 
+# Static budget tables: every round drafts the full shape. The default online policy prunes trees by
+# measured step times, so whether a 48-token run branches would depend on the machine's load; these tests
+# are about the tree mechanics (the policy's own greedy identity: test_engine_shape_policy.py).
 CONFIGS = {
-    "ngram-budget10": {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 10, "prompt_lookup_max": 4},
-    "suffix-s3_k2_d6": {"method": "tree", "drafter": "suffix", "tree": "s3_k2_d6"},
-    "suffix-paths": {"method": "tree", "drafter": "suffix", "tree": "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]"},
-    "ngram-chain4": {"method": "tree", "drafter": "ngram", "tree": "chain:4"},
+    "ngram-budget10": {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 10, "prompt_lookup_max": 4,
+                       "budgets": {64: 10}},
+    "suffix-s3_k2_d6": {"method": "tree", "drafter": "suffix", "tree": "s3_k2_d6", "budgets": {64: 5}},
+    "suffix-paths": {"method": "tree", "drafter": "suffix", "tree": "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]",
+                     "budgets": {64: 5}},
+    "ngram-chain4": {"method": "tree", "drafter": "ngram", "tree": "chain:4", "budgets": {64: 4}},
 }
 
 

@@ -217,11 +217,14 @@ class NgramTreeDrafter(TreeDrafter):
         roots: dict[int, int] = {}  # token -> trie node index of a child of the root
         total = 0
         last = len(tokens)
+        # A node deeper than the budget is never kept (its ancestors rank before it and would fill the
+        # budget first), and shallower nodes' weights do not depend on it: the trie stops there.
+        reach = min(self.max_depth, budget)
         for i, n in zip(chosen, lengths):
             w = self.length_weight ** (int(n) - self.min_n)
             total += w
             level, parent = roots, NO_PARENT
-            for depth, tok in enumerate(tokens[i + 1 : min(i + 1 + self.max_depth, last)], start=1):
+            for depth, tok in enumerate(tokens[i + 1 : min(i + 1 + reach, last)], start=1):
                 j = level.get(tok)
                 if j is None:
                     j = level[tok] = len(nodes)
