@@ -433,3 +433,11 @@ def test_greedy_host_walk_equals_the_tensor_walk():
             ref = verify_tree_with_coins(tree.parents, tree.tokens, p[s:e], q[s:e], "greedy", coins, b=b,
                                          eos_token_id=ids or None, max_tokens=int(budget[b]))
             assert (host.accepted(b), int(host.next_token[b])) == ref, (trial, b, tree)
+    # root-only trees without tokens (every request draftless): the next token is each root row's argmax
+    batch = TreeBatch.from_trees([Tree([]), Tree([])])
+    y = torch.tensor([3, 5])
+    host = verify_batch(batch, None, None, "greedy", target_argmax=y)
+    tensor = verify_batch(batch, None, None, "greedy", target_argmax=y, host_greedy=False)
+    for name in fields:
+        assert torch.equal(getattr(host, name), getattr(tensor, name)), name
+    assert host.next_token.tolist() == [3, 5]

@@ -775,7 +775,9 @@ def verify_greedy_host(batch: TreeBatch, target_argmax: torch.Tensor, *, eos_tok
     output = [[PAD_TOKEN_ID] * (D + 1) for _ in range(B)]
     num, nxt, walked = [0] * B, [0] * B, [0] * B
     for b, tree in enumerate(batch.trees):
-        toks, children, r0 = tree.tokens.tolist(), tree.children, base[b]
+        if tree.tokens is None and tree.num_nodes:
+            raise ValueError(f"tree {b} has {tree.num_nodes} nodes but no tokens; verification needs them")
+        toks, children, r0 = [] if tree.tokens is None else tree.tokens.tolist(), tree.children, base[b]
         path, row = [], 0
         while True:  # descend while a child carries the row's argmax (the first such sibling)
             want = y[r0 + row]
