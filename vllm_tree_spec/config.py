@@ -32,6 +32,7 @@ Keys (see README for the table):
 from __future__ import annotations
 
 import difflib
+import functools
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -181,28 +182,11 @@ class TreeSpecConfig(BaseModel):
     # -- derived ------------------------------------------------------------
 
     def layout(self) -> Tree | TreeShape:
-        """The static tree (shape-only `Tree`) or a `TreeShape` for dynamic trees."""
+        """The static tree (shape-only `Tree`) or a `TreeShape` for dynamic trees (parsed once per config:
+        the runner asks for the node budget every step)."""
         t = self.tree
-        if t is None:
-            if self.drafter in ("suffix", "ngram") and self.num_speculative_tokens:
-                return Tree.chain(self.num_speculative_tokens)  # only the node budget matters
-            t = "s3_k2_d6"
-        if isinstance(t, list):
-            return Tree.from_paths([tuple(p) for p in t])
-        t = t.strip()
-        if t.startswith("chain:"):
-            try:
-                k = int(t.split(":", 1)[1])
-            except ValueError:
-                raise TreeError(f"{t!r}: write 'chain:K' with an integer K") from None
-            if k < 1:
-                raise TreeError(f"{t!r}: K must be >= 1")
-            return Tree.chain(k)
-        if t.startswith("s"):
-            return TreeShape.parse(t)
-        if not t.startswith(("[", "(")):
-            raise TreeError(f"{t!r} is not a tree layout; write {TREE_FORMS}")
-        return Tree.from_paths(t)
+        return _layout(self.drafter, tuple(tuple(p) for p in t) if isinstance(t, list) else t,
+                       self.num_speculative_tokens)
 
     @property
     def max_nodes(self) -> int:
@@ -249,6 +233,32 @@ class TreeSpecConfig(BaseModel):
             if batch_size <= bs:
                 return self.budgets[bs]
         return self.budgets[max(self.budgets)]
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(drafter: str, tree: str | tuple | None, num_speculative_tokens: int | None) -> Tree | TreeShape:
+    """`TreeSpecConfig.layout` for hashable inputs (tree paths as a tuple of tuples); errors are not cached."""
+    t = tree
+    if t is None:
+        if drafter in ("suffix", "ngram") and num_speculative_tokens:
+            return Tree.chain(num_speculative_tokens)  # only the node budget matters
+        t = "s3_k2_d6"
+    if isinstance(t, tuple):
+        return Tree.from_paths(list(t))
+    t = t.strip()
+    if t.startswith("chain:"):
+        try:
+            k = int(t.split(":", 1)[1])
+        except ValueError:
+            raise TreeError(f"{t!r}: write 'chain:K' with an integer K") from None
+        if k < 1:
+            raise TreeError(f"{t!r}: K must be >= 1")
+        return Tree.chain(k)
+    if t.startswith("s"):
+        return TreeShape.parse(t)
+    if not t.startswith(("[", "(")):
+        raise TreeError(f"{t!r} is not a tree layout; write {TREE_FORMS}")
+    return Tree.from_paths(t)
 
 
 TREE_FORMS = "a shape like 's3_k2_d6', explicit child-rank paths like '[(0,), (1,), (0, 0)]', or 'chain:K'"
