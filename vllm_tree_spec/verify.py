@@ -758,7 +758,7 @@ def verify_greedy_host(batch: TreeBatch, target_argmax: torch.Tensor, *, eos_tok
     target_argmax: [R] int64 argmax of p per row (request-major, `batch.cu_num_rows`); eos_token_id and
     max_tokens as in `verify_batch`. At each row the first child (in sibling order) whose token is the
     row's argmax is accepted; the walk stops at a row with none, whose argmax is the next token. Then
-    the emitted tokens are cut at the first stop id and at max_tokens, exactly as the tensor walk cuts.
+    the emitted tokens are cut at the first stop id and at max_tokens by the reference walk's `_truncate`.
     """
     B, D = batch.batch_size, batch.max_depth
     y = target_argmax.tolist()  # [R] (CPU: no device round trip)
@@ -786,12 +786,9 @@ def verify_greedy_host(batch: TreeBatch, target_argmax: torch.Tensor, *, eos_tok
                 break
             path.append(hit)
             row = hit + 1
-        emitted = [toks[c] for c in path] + [y[r0 + row]]
-        n = next((i + 1 for i, t in enumerate(emitted) if t in stops[b]), len(emitted))  # through the first stop
-        if budget is not None:
-            n = min(n, budget[b])
-        walked[b], num[b], nxt[b] = len(path), n - 1, emitted[n - 1]
-        accepted[b][: n - 1] = path[: n - 1]
-        output[b][:n] = emitted[:n]
+        kept, nxt[b] = _truncate(path, y[r0 + row], toks, stops[b], None if budget is None else budget[b])
+        walked[b], num[b] = len(path), len(kept)
+        accepted[b][: len(kept)] = kept
+        output[b][: len(kept) + 1] = [toks[c] for c in kept] + [nxt[b]]
     t = lambda v: torch.tensor(v, dtype=torch.long)  # noqa: E731
     return TreeVerifyOutput(t(accepted).view(B, D), t(num), t(nxt), t(output).view(B, D + 1), t(walked))
