@@ -278,6 +278,10 @@ class Tree:
         return Tree(self.parents[:n], None if self.tokens is None else self.tokens[:n])
 
     def is_chain(self) -> bool:
+        return self._is_chain
+
+    @cached_property
+    def _is_chain(self) -> bool:  # read by several stages of every step
         return bool(torch.equal(self.parents, torch.arange(self.num_nodes) - 1))
 
     def duplicate_siblings(self) -> list[tuple[int, int]]:

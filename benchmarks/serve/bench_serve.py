@@ -77,6 +77,7 @@ Model-free drafters (suffix, ngram) build data-dependent trees (the shape follow
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -496,7 +497,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-num-seqs", type=int,
                     help="server --max-num-seqs (default: largest concurrency, 64 with rates)")
     ap.add_argument("--max-model-len", type=int, help="server --max-model-len (2048)")
-    ap.add_argument("--server-per", choices=["config", "run"], help="one server per configuration (default) or per run")
+    ap.add_argument("--server-per", choices=["config", "run", "session"],
+                    help="one server per configuration and repeat (default), per run, or per session: every "
+                         "configuration's server up at once for the whole invocation, each repeat a window of fresh "
+                         "prompts sent to them in turn (ABBA), so slow drift in the machine's speed cancels in the "
+                         "per-repeat ratios (needs the memory of all servers at once: pairs on a 24 GiB machine)")
     ap.add_argument("--draft", help="draft for *-draft configs: truncate:N | noisy:S | a model directory")
     ap.add_argument("--planned-tree", help="tree-draft-planned: the static tree as child-rank paths, e.g. "
                                            "\"[(0,), (1,), (0, 0), (0, 0, 0)]\" (from vllm-tree-spec plan --json)")
@@ -700,7 +705,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"{out} holds runs with sampling {check_one_sampling(earlier)}, this invocation samples "
                          f"with {sampling_fields(args)}: use another --out folder (one sampling setting per folder)")
     pool = build_pool([d.strip() for d in args.datasets.split(",") if d.strip()], seed=args.seed)
-    need = runs[-1].offset + runs[-1].num_prompts
+    session = args.server_per == "session"
+    if session and (args.base_url or profile_run):
+        raise SystemExit("--server-per session starts the servers itself and cannot measure a probe profile: "
+                         "drop --base-url / give --profile or --planned-tree")
+    need = runs[-1].offset + runs[-1].num_prompts + (_span(runs) * (args.repeats - 1) if session else 0)
     end = profile_run.offset + profile_run.num_prompts if profile_run else need
     if end > len(pool):
         raise SystemExit(f"the runs need {end} prompts, the pool has {len(pool)}")
@@ -722,7 +731,9 @@ def main(argv=None) -> int:
     for c in configs:
         print(f"  {c.name:<28} {json.dumps(c.spec) if c.spec else '(no speculation)'}", flush=True)
     for r in runs:
-        print(f"  run {r.key:<8} {r.mode} {r.level:g}: prompts [{r.offset}, {r.offset + r.num_prompts})", flush=True)
+        print(f"  run {r.key:<8} {r.mode} {r.level:g}: prompts [{r.offset}, {r.offset + r.num_prompts})"
+              + (f", shifted by {_span(runs)} per repeat (one server per configuration, up together)"
+                 if session else ""), flush=True)
     if profile_run:
         depth = args.profile_depth or min(max(budgets), PROFILE_MAX_DEPTH)
         print(f"  profile: probe trees R = 1..{args.profile_ranks} (depth {depth}) at c={profile_run.level:g}, "
@@ -754,7 +765,9 @@ def main(argv=None) -> int:
                         run_file(out, c, run, rep, args.repeats).write_text(
                             json.dumps(failed_row(args, c, run, env, e, rep), indent=1))
     overall = tqdm(total=len(configs) * len(runs) * args.repeats, desc="runs", unit="run", position=0, leave=True)
-    for rep in range(args.repeats):
+    if session:
+        failures += run_session(args, configs, runs, pool, warm, by_id, env, log_dir, max_seqs, out, overall)
+    for rep in range(0 if session else args.repeats):
         # interleaved repeats: every configuration once per repeat, odd repeats in reverse (drift cancels)
         for config in (configs if rep % 2 == 0 else configs[::-1]):
             groups = [runs] if args.server_per == "config" else [[r] for r in runs]
@@ -861,6 +874,58 @@ def failed_row(args, config: Config, run: RunPlan, env: dict, err: Exception, re
             "environment": env, "failed": f"{type(err).__name__}: {err}",
             "command": shlex.join([sys.executable, *sys.argv]), "reproduce": reproduce_command(args, config),
             "results": None, "speculation": {"tokens_per_round": None}, "records": []}
+
+
+def _span(runs: list[RunPlan]) -> int:
+    """Prompts one repeat's runs use (session mode shifts every repeat by this: fresh prompts per window)."""
+    return sum(r.num_prompts for r in runs)
+
+
+def run_session(args, configs: list[Config], runs: list[RunPlan], pool, warm, by_id, env, log_dir: str,
+                max_seqs: int, out: Path, overall) -> int:
+    """`--server-per session`: every configuration's server started once and kept up; repeat i sends the
+    same window of fresh prompts to each server in turn, in ABBA order (odd repeats reversed). An idle
+    server waits in a blocking poll, so the one under load has the machine; both see the same minutes of
+    it, which a server per repeat (a minute of start-up between them) does not give. Returns failures."""
+    from contextlib import ExitStack
+
+    failures = 0
+    with ExitStack() as stack:
+        servers: dict[str, object] = {}
+        for config in configs:
+            try:
+                servers[config.name] = stack.enter_context(_server_for(args, config, log_dir, max_seqs))
+            except Exception as e:  # recorded for every window of this configuration; the others still run
+                failures += 1
+                overall.write(f"{config.name}: FAILED: {e}")
+                for rep in range(args.repeats):
+                    for run in runs:
+                        shifted = dataclasses.replace(run, offset=run.offset + rep * _span(runs))
+                        run_file(out, config, run, rep, args.repeats).write_text(
+                            json.dumps(failed_row(args, config, shifted, env, e, rep), indent=1))
+                        overall.update(1)
+        histories: dict[str, list[str]] = {name: [] for name in servers}
+        for rep in range(args.repeats):
+            for config in (configs if rep % 2 == 0 else configs[::-1]):
+                if config.name not in servers:
+                    continue
+                server = servers[config.name]
+                for run in runs:
+                    shifted = dataclasses.replace(run, offset=run.offset + rep * _span(runs))
+                    try:
+                        row = measure(args, config, shifted, server.base, server, pool, warm, by_id, env,
+                                      histories[config.name], rep)
+                    except Exception as e:  # a window that fails is recorded; the session goes on
+                        failures += 1
+                        row = failed_row(args, config, shifted, env, e, rep)
+                        overall.write(f"{config.name} {run.key} rep {rep}: FAILED: {e}")
+                    run_file(out, config, run, rep, args.repeats).write_text(json.dumps(row, indent=1))
+                    histories[config.name].append(f"{run.key}/rep{rep}")
+                    overall.update(1)
+                    s = row.get("results") or {}
+                    overall.write(f"{config.name:<28} {run.key:<6} rep {rep} {s.get('output_tok_s') or 0:8.1f} "
+                                  f"tok/s  tokens/round {_fmt((row.get('speculation') or {}).get('tokens_per_round'))}")
+    return failures
 
 
 def measure(args, config: Config, run: RunPlan, base: str, server, pool, warm, by_id, env, history,

@@ -539,3 +539,56 @@ def test_profile_from_probes_recovers_ranks_and_clips_noise():
     assert profile_from_probes({1: [0.0], 2: [0.0]}, 2, 3)["table"] == []  # nothing accepted: nothing to plan
     with pytest.raises(ValueError, match="missing for R"):
         profile_from_probes({1: [0.5]}, 2, 1)
+
+
+def test_session_mode_keeps_one_server_per_config_and_alternates_windows(fake_server, monkeypatch, tmp_path):
+    """`--server-per session`: each configuration's server starts once; repeat i sends one window of fresh
+    prompts to every server in turn, odd repeats in reverse (ABBA), so the pair shares the same minutes."""
+    import os
+    import types
+    from contextlib import contextmanager
+
+    import bench_serve
+
+    from vllm_tree_spec import serve_launch
+
+    launches, order = [], []
+
+    @contextmanager
+    def fake_launched(model, spec, *, name, log_dir, max_num_seqs, **kw):
+        launches.append(name)
+        counters = _chain_counters(2.5 if spec["method"] == "tree" else 2.0)
+        base = fake_server(tokens_per_chunk=2, per_request=counters)
+        yield serve_launch.Server(name, base, types.SimpleNamespace(pid=os.getpid()), str(tmp_path / "log"),
+                                  ["vllm-tree-spec", "serve"])
+
+    real_measure = bench_serve.measure
+
+    def spy(args, config, run, *a, **kw):
+        order.append((config.name, run.key, run.offset))
+        return real_measure(args, config, run, *a, **kw)
+
+    monkeypatch.setattr(serve_launch, "launched", fake_launched)
+    monkeypatch.setattr(bench_serve, "measure", spy)
+    out = tmp_path / "session"
+    argv = ["--model", "fake-model", "--configs", "linear-ngram,tree-ngram", "--budgets", "6", "--concurrency",
+            "1,2", "--num-prompts", "2,3", "--max-tokens", "4", "--datasets", "math", "--no-exec", "--timeout",
+            "30", "--repeats", "3", "--server-per", "session", "--warmup", "1", "--out", str(out)]
+    assert bench_serve.main(argv) == 0
+
+    assert launches == ["linear-ngram-D6", "tree-ngram-D6"]  # up once each, for all repeats
+    names = [n for n, _, _ in order]
+    assert names == ["linear-ngram-D6"] * 2 + ["tree-ngram-D6"] * 4 + ["linear-ngram-D6"] * 4 + ["tree-ngram-D6"] * 2
+    offsets = {(n, k): [] for n, k, _ in order}
+    for n, k, off in order:
+        offsets[(n, k)].append(off)
+    rows = [json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json"))]
+    span = sum(r["run"]["num_prompts"] for r in rows
+               if r["config"]["name"] == "tree-ngram-D6" and r["run"]["repeat"] == 0)
+    # every repeat a fresh window of prompts, the same window for both servers
+    assert offsets[("linear-ngram-D6", "c1")] == offsets[("tree-ngram-D6", "c1")]
+    assert [b - a for a, b in zip(offsets[("tree-ngram-D6", "c2")], offsets[("tree-ngram-D6", "c2")][1:])] == [span] * 2
+    assert len(rows) == 2 * 2 * 3 and all(r["results"]["completed"] == r["run"]["num_prompts"] for r in rows)
+    assert {r["run"]["server_per"] for r in rows} == {"session"}
+    cmp = [c for c in json.loads((out / "summary.json").read_text())["comparisons"] if c["key"] == "c2"]
+    assert cmp and cmp[0]["accepted_length_ratio"] == pytest.approx(2.5 / 2.0)

@@ -157,3 +157,32 @@ def test_tree_rows_match_path_oracle(dtype, head_dim, hkv, g, window, softcap, s
         got = output[offset: req.root_row + 1].double()
         assert torch.allclose(got, causal, atol=tol, rtol=tol), (got - causal).abs().max()
         offset += req.seq_len
+
+
+@pytest.mark.vllm
+def test_chain_only_step_runs_vllms_kernel_on_its_metadata(monkeypatch):
+    """A step whose trees are all chains needs no split plan: its tree mask is the causal mask and its
+    positions are linear, so vLLM's call on vLLM's metadata is exact; a branching tree takes the tree path.
+    Either way the layer is counted as having applied the mask."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl
+
+    from vllm_tree_spec.integration import cpu_attention
+    from vllm_tree_spec.integration.cpu_attention import TreeCPUAttentionImpl
+
+    calls = []
+    monkeypatch.setattr(CPUAttentionBackendImpl, "forward",
+                        lambda self, layer, q, k, v, kv, md, out, *a: calls.append("stock") or out.fill_(7.0))
+    monkeypatch.setattr(TreeCPUAttentionImpl, "_tree_forward", lambda self, *a: calls.append("tree"))
+    monkeypatch.setattr(cpu_attention.kv_layout, "self_test", lambda *a: None)
+    impl = object.__new__(TreeCPUAttentionImpl)
+    impl.alibi_slopes, impl.head_size, impl.num_kv_heads = None, 32, 2
+    layer = SimpleNamespace(isa="vec", layer_name="model.layers.0.self_attn.attn")
+    kv, query, out = torch.zeros(4, 2, 16, 64), torch.randn(9, 4, 32), torch.zeros(9, 4, 32)
+    chain = TreeRequestStep("a", 0, 2, 2, Tree.chain(3, [1, 2, 3]), Mode.GREEDY, None, {})
+    fork = TreeRequestStep("b", 1, 6, 5, Tree([-1, -1], [4, 5]), Mode.GREEDY, None, {})
+    for reqs, want in (([chain], "stock"), ([chain, fork], "tree")):
+        step = TreeStep(reqs)
+        calls.clear()
+        impl.forward(layer, query, None, None, kv, SimpleNamespace(tree_step=step), out)
+        assert calls == [want] and step.applied == {layer.layer_name}, (calls, step.applied)
+    assert torch.all(out == 7.0)  # the chain-only step's rows came from the stock call

@@ -264,6 +264,15 @@ def test_mixin_forward_computes_the_step_once_with_vllm_window_convention():
     md.tree_step = TreeStep([])  # a step without trees: the stock kernel
     impl.forward(layer, case.query, None, None, kv, md, out)
     assert torch.all(out == SENTINEL) and not md.tree_step.applied
+    # a step whose trees are all chains: the chain's tree mask is the causal mask, so vLLM's kernel runs on
+    # vLLM's metadata (exact), and the layer still counts as having applied the mask
+    chains = TreeStep([TreeRequestStep(r.req_id, r.req_index, r.root_row, r.root_pos,
+                                       Tree.chain(r.num_nodes, r.tree.tokens), r.mode, None)
+                       for r in case.step.requests])
+    md.tree_step = chains
+    out.zero_()
+    impl.forward(layer, case.query, None, None, kv, md, out)
+    assert torch.all(out == SENTINEL) and chains.applied == {layer.layer_name}
 
 
 def _impl(cls, **kw):

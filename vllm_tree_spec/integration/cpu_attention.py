@@ -163,7 +163,12 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if self.alibi_slopes is not None:
             raise NotImplementedError("tree speculation does not support ALiBi attention on CPU")
         kv_layout.self_test(layer.isa, kv_cache.dtype, self.head_size, kv_cache.shape[2], self.num_kv_heads)
-        self._tree_forward(layer, step, query, kv_cache, attn_metadata, output)
+        if step.all_chains:
+            # A chain's tree mask is the causal mask and its positions are linear: vLLM's own call on vLLM's
+            # own metadata is exact (the split plan would rebuild the same sequences), so it is used as is.
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        else:
+            self._tree_forward(layer, step, query, kv_cache, attn_metadata, output)
         step.mark_applied(getattr(layer, "layer_name", None))  # counted by the runner after the forward
         return output
 

@@ -142,9 +142,12 @@ class TreePagedAttentionMixin:
                                    output_block_scale)
         if output_scale is not None or output_block_scale is not None:
             raise NotImplementedError("tree speculation does not support fused output quantisation")
-        attention_paged(step, query, kv_cache, attn_metadata, output, num_heads=self.num_heads,
-                        head_size=self.head_size, scale=self.scale, sliding_window=self._tree_window(),
-                        softcap=self.logits_soft_cap or None, sinks=self.sinks)
+        if step.all_chains:  # causal mask = tree mask, linear positions: vLLM's kernel is exact (host flag, no sync)
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output)
+        else:
+            attention_paged(step, query, kv_cache, attn_metadata, output, num_heads=self.num_heads,
+                            head_size=self.head_size, scale=self.scale, sliding_window=self._tree_window(),
+                            softcap=self.logits_soft_cap or None, sinks=self.sinks)
         step.mark_applied(getattr(layer, "layer_name", None))  # counted by the runner after the forward
         return output
 

@@ -92,6 +92,14 @@ class TreeStep:
     def __bool__(self) -> bool:
         return bool(self.requests)
 
+    @property
+    def all_chains(self) -> bool:
+        """Every tree of the step is a chain (its tree mask is the causal mask); computed once per step."""
+        cached = self.__dict__.get("_all_chains")
+        if cached is None:
+            cached = self.__dict__["_all_chains"] = all(r.tree.is_chain() for r in self.requests)
+        return cached
+
     def by_index(self) -> dict[int, TreeRequestStep]:
         return {r.req_index: r for r in self.requests}
 
