@@ -69,6 +69,11 @@ so every server of an eagle3 benchmark, `off` and the linear rows included, runs
 benchmarks (training/eagle3/train_eagle3.py, BENCH_SEEDS / BENCH_RESERVE): checked before anything starts.
 --repeats N runs every configuration N times, interleaved (repeat i starts every configuration's server in
 turn, odd repeats in reverse order); the report takes medians and median ratios over the repeats.
+--server-per session keeps every configuration's server up for the whole invocation instead (repeat i sends a
+window of fresh prompts to each server in turn), so a pair shares the same minutes of a noisy machine.
+Tree configurations run the engine's default online shape policy (budgets "auto"), which prunes trees or stops
+speculating where that is faster; --tree-budgets static pins them to D nodes at every batch size, for tokens per
+round at equal verification budget.
 
 Model-free drafters (suffix, ngram) build data-dependent trees (the shape follows the matches), so
 "static vs dynamic" applies to the draft-model rows only.
@@ -280,11 +285,17 @@ def default_fallback(d: int) -> dict[int, int]:
 
 
 def make_configs(kinds: list[str], budgets: list[int], draft: str | None, fallback: dict | None,
-                 planned: str | dict | None = None, head: str | None = None) -> list[Config]:
+                 planned: str | dict | None = None, head: str | None = None, static: bool = False) -> list[Config]:
+    """`static`: every tree configuration without a budget table of its own verifies its full D nodes at every
+    batch size (`"budgets": {"1024": D}`), so its tokens per round compare with linear's at equal verification
+    budget; by default they run the engine's online shape policy, which may prune or switch speculation off."""
     out, seen = [], set()
     for kind in kinds:
         for d in ([0] if kind == "off" else budgets):
             c = make_config(kind, d, draft, fallback, planned, head)
+            if static and c.spec and c.spec.get("method") == "tree" and "budgets" not in c.spec:
+                c.spec.pop("score_gate", None)  # the gate is the policy's: refused next to a static table
+                c.spec["budgets"] = {"1024": d}
             if c.name not in seen:
                 seen.add(c.name)
                 out.append(c)
@@ -451,6 +462,7 @@ def reproduce_command(args: argparse.Namespace, config: Config) -> str:
                       ("--max-model-len", args.max_model_len), ("--server-per", args.server_per),
                       ("--draft", args.draft if config.family == "draft" else None),
                       ("--fallback-budgets", args.fallback_budgets if config.kind.endswith("fallback") else None),
+                      ("--tree-budgets", args.tree_budgets if args.tree_budgets != "auto" else None),
                       ("--planned-tree", args.planned_tree if config.kind == "tree-draft-planned" else None),
                       ("--head", args.head if config.family == "eagle3" else None),
                       ("--planned-tree",
@@ -518,6 +530,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile-ranks", type=int, help=f"sibling ranks the probes measure ({PROFILE_RANKS})")
     ap.add_argument("--profile-depth", type=int,
                     help=f"probe depth (default the largest budget, at most {PROFILE_MAX_DEPTH})")
+    ap.add_argument("--tree-budgets", choices=["auto", "static"],
+                    help="tree configurations: the engine's online shape policy (auto, the default) or a static "
+                         "budget of D nodes at every batch size (static: acceptance at equal verification budget)")
     ap.add_argument("--fallback-budgets", help='JSON {"batch size": nodes} for *-fallback configs '
                                                '(default {"4": D, "16": D//2, "64": 0})')
     ap.add_argument("--timeout", type=float, help="per-request timeout in seconds (600)")
@@ -534,7 +549,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     defaults = dict(configs="off,linear-suffix,tree-suffix", budgets="6", concurrency="1", request_rate="",
                     num_prompts="8", prompts_per_slot=2, max_tokens=128, datasets=",".join(DATASETS), warmup=1,
                     seed=0, temperature=0.0, max_model_len=2048, server_per="config", timeout=600.0,
-                    no_enable_prefix_caching=False, repeats=1, profile_prompts=8, profile_ranks=PROFILE_RANKS,
+                    tree_budgets="auto", no_enable_prefix_caching=False, repeats=1, profile_prompts=8, profile_ranks=PROFILE_RANKS,
                     out="runs/serve/custom")
     preset = PRESETS.get(args.preset or "", {})
     for k, v in {**defaults, **preset}.items():
@@ -722,7 +737,7 @@ def main(argv=None) -> int:
     if not args.base_url:
         # before the profile is measured, the planned rows are listed but not built
         configs = make_configs([k for k in kinds if planned is not None or k != "tree-eagle3-planned"], budgets,
-                               draft_path, fallback, planned, args.head)
+                               draft_path, fallback, planned, args.head, static=args.tree_budgets == "static")
     later = len(budgets) if profile_run else 0  # the planned rows, built once the profile is measured
     print(f"{len(configs) + later} configuration(s) x {len(runs)} run(s) x {args.repeats} repeat(s)"
           + (f" (+ {args.profile_ranks} probe servers first)" if profile_run else "") + f"; model {args.model}; "
@@ -754,7 +769,8 @@ def main(argv=None) -> int:
     if profile_run:
         try:
             planned = measure_profile(args, budgets, profile_run, pool, warm, by_id, env, log_dir, max_seqs)
-            configs = make_configs(kinds, budgets, draft_path, fallback, planned, args.head)
+            configs = make_configs(kinds, budgets, draft_path, fallback, planned, args.head,
+                                   static=args.tree_budgets == "static")
         except Exception as e:  # recorded as failed planned rows; the other configurations still run
             failures += 1
             print(f"profile: FAILED: {e}", flush=True)

@@ -592,3 +592,20 @@ def test_session_mode_keeps_one_server_per_config_and_alternates_windows(fake_se
     assert {r["run"]["server_per"] for r in rows} == {"session"}
     cmp = [c for c in json.loads((out / "summary.json").read_text())["comparisons"] if c["key"] == "c2"]
     assert cmp and cmp[0]["accepted_length_ratio"] == pytest.approx(2.5 / 2.0)
+
+
+def test_static_tree_budgets_pin_every_tree_to_d_nodes():
+    """`--tree-budgets static`: tree configurations verify D nodes at every batch size (acceptance at equal
+    verification budget); linear rows and trees with a table of their own are left as they are."""
+    import bench_serve
+
+    kinds = ["linear-ngram", "tree-ngram", "tree-suffix-nogate", "tree-ngram-fallback", "tree-eagle3-dynamic"]
+    auto = {c.kind: c.spec for c in bench_serve.make_configs(kinds, [6], None, None, head="/h")}
+    static = {c.kind: c.spec for c in bench_serve.make_configs(kinds, [6], None, None, head="/h", static=True)}
+    assert all("budgets" not in auto[k] for k in ("tree-ngram", "tree-suffix-nogate", "tree-eagle3-dynamic"))
+    for k in ("tree-ngram", "tree-suffix-nogate", "tree-eagle3-dynamic"):
+        assert static[k]["budgets"] == {"1024": 6} and "score_gate" not in static[k], k
+    assert static["linear-ngram"] == auto["linear-ngram"]
+    assert static["tree-ngram-fallback"]["budgets"] == auto["tree-ngram-fallback"]["budgets"]
+    args = bench_serve.parse_args(["--configs", "tree-ngram", "--tree-budgets", "static"])
+    assert "--tree-budgets static" in bench_serve.reproduce_command(args, bench_serve.make_config("tree-ngram", 6))
