@@ -288,6 +288,29 @@ def test_sampled_children_return_q(setup, replacement):
     assert bool(in_vocab[prop.tree.tokens].all())  # children come from the draft vocabulary
 
 
+def test_seeded_requests_draw_the_same_sampled_tree_under_any_request_id(setup):
+    """A request with its own sampling seed seeds its draft generator from it (a server gives every request a
+    fresh id, so a generator keyed by the id would draft other trees on every run); without a seed, the id."""
+    _, target, heads = setup
+    head = load_head(heads["eagle"], target_embedding=target.model.embed_tokens.weight)
+    shape = Tree.from_paths([(0,), (1,), (2,), (0, 0), (1, 0), (0, 0, 0)])
+    drafter = Eagle3TreeDrafter(head, SampledPolicy.of(shape, replacement=False), seed=3)
+    toks = list(range(20, 31))
+
+    def tree_of(rid, seed):
+        drafter.start_request(rid, toks[:-1], seed=seed)
+        drafter.observe_target([rid], [list(range(len(toks) - 1))], torch.arange(len(toks)), aux_states(target, toks))
+        trees = [drafter.propose([DraftRequest(rid, toks, 1.0)], 6)[0].tree.tokens.tolist() for _ in range(3)]
+        drafter.finish_request(rid)
+        return trees
+
+    assert tree_of("run-1", 7) == tree_of("run-2", 7)  # same seed, other ids: the same draws
+    assert drafter.rng_key("gone") == "gone" and not drafter._rng_keys  # keys go with their requests
+    by_seed = [tree_of(f"r{s}", s) for s in range(4)]
+    by_id = [tree_of(f"id{i}", None) for i in range(4)]
+    assert len({str(t) for t in by_seed}) > 1 and len({str(t) for t in by_id}) > 1  # the draws do move
+
+
 def test_shared_embedding_padded_rows_dropped_shard_refused(setup):
     """vLLM pads the target's embedding to a multiple of 64 rows: the padding is dropped; a tensor-parallel
     shard (fewer rows than the vocabulary) is refused with the fix."""

@@ -219,17 +219,27 @@ class TreeDrafter(ABC):
     def __init__(self, *, validate_proposals: bool = True) -> None:
         self.validate_proposals = validate_proposals
         self._prompt_len: dict[Hashable, int] = {}  # active requests -> prompt length
+        self._rng_keys: dict[Hashable, Hashable] = {}  # active requests -> what seeds their draft sampling
 
     # -- lifecycle ------------------------------------------------------------
 
-    def start_request(self, req_id: Hashable, prompt_token_ids: Sequence[int]) -> None:
-        """Register a request before its first `propose`."""
+    def start_request(self, req_id: Hashable, prompt_token_ids: Sequence[int], *, seed: int | None = None) -> None:
+        """Register a request before its first `propose`.
+
+        seed: the request's own sampling seed, if it has one. Drafters that sample their children seed the
+        request's generator from it (and their own `seed`), so a seeded request drafts the same trees on every
+        run; without it they seed from the request id, which a server makes unique per request."""
         if req_id in self._prompt_len:
             raise DrafterError(f"request {req_id!r} is already active; call finish_request before reusing its id")
         if len(prompt_token_ids) == 0:
             raise DrafterError(f"request {req_id!r}: prompt_token_ids is empty; pass the prompt's token ids")
+        self._rng_keys[req_id] = req_id if seed is None else ("seed", int(seed))
         self._start(req_id, prompt_token_ids)
         self._prompt_len[req_id] = len(prompt_token_ids)
+
+    def rng_key(self, req_id: Hashable) -> Hashable:
+        """What seeds the request's draft sampling: its sampling seed if it has one, else its id."""
+        return self._rng_keys.get(req_id, req_id)
 
     def finish_request(self, req_id: Hashable) -> None:
         """Drop the request's per-request state (its id may then be reused)."""
@@ -237,6 +247,7 @@ class TreeDrafter(ABC):
             raise DrafterError(f"request {req_id!r} is not active; call start_request first")
         del self._prompt_len[req_id]
         self._finish(req_id)
+        self._rng_keys.pop(req_id, None)
 
     @property
     def active_requests(self) -> list[Hashable]:

@@ -426,7 +426,7 @@ class DraftModelTreeDrafter(LevelTreeDrafter):
     def _start(self, req_id: Hashable, prompt_token_ids: Sequence[int]) -> None:
         # The prompt's KV is computed lazily by the first propose (start_request stays cheap).
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(_request_seed(self.seed, req_id))
+        gen.manual_seed(_request_seed(self.seed, self.rng_key(req_id)))
         self._states[req_id] = _RequestState(cache=_new_cache(), generator=gen)
 
     def _finish(self, req_id: Hashable) -> None:

@@ -316,7 +316,7 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
 
     def _start(self, req_id: Hashable, prompt_token_ids: Sequence[int]) -> None:
         gen = torch.Generator(device=self.device)
-        gen.manual_seed(_request_seed(self.seed, req_id))
+        gen.manual_seed(_request_seed(self.seed, self.rng_key(req_id)))
         feats = _Features(self.head.feature_size, self.dtype, self.device)
         self._states[req_id] = _RequestState(slot=self.store.acquire(), features=feats, generator=gen)
 

@@ -154,9 +154,10 @@ class TreeProposer:
     # -- the tree runner's interface ------------------------------------------------------------
 
     def make_request(self, req_id: str, token_ids: Sequence[int], state) -> DraftRequest:
-        if req_id not in self.drafter.active_requests:
-            self.drafter.start_request(req_id, list(state.prompt_token_ids or token_ids[:1]))
         sp = state.sampling_params
+        if req_id not in self.drafter.active_requests:
+            self.drafter.start_request(req_id, list(state.prompt_token_ids or token_ids[:1]),
+                                       seed=getattr(sp, "seed", None))
         return DraftRequest(req_id, token_ids, float(sp.temperature) if sp is not None else 0.0)
 
     def propose_trees(self, requests: list[DraftRequest], budgets: list[int]) -> list[TreeProposal]:
