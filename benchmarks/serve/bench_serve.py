@@ -142,6 +142,14 @@ PRESETS: dict[str, dict] = {
     "cpu-eagle3-t1": dict(configs=EAGLE3_SAMPLED, budgets="6", concurrency="1,4", num_prompts="4,8", max_tokens=64,
                           warmup=1, temperature=1.0, no_enable_prefix_caching=True, profile_prompts=6,
                           out="runs/serve/cpu-eagle3-t1"),
+    # Tokens per round at equal verification budget: every tree verifies its D nodes at every step (no policy).
+    "cpu-eagle3-static": dict(configs=EAGLE3_GREEDY, budgets="4,6,8", concurrency="1", num_prompts="8",
+                              max_tokens=64, warmup=1, no_enable_prefix_caching=True, profile_prompts=6,
+                              tree_budgets="static", out="runs/serve/cpu-eagle3-static"),
+    "cpu-eagle3-t1-static": dict(configs=EAGLE3_SAMPLED.replace("off,", ""), budgets="6", concurrency="1,4",
+                                 num_prompts="8,16", max_tokens=64, warmup=1, temperature=1.0,
+                                 no_enable_prefix_caching=True, profile_prompts=6, tree_budgets="static",
+                                 out="runs/serve/cpu-eagle3-t1-static"),
     # The full grid (D 4..8, c 1/4/16, greedy and T = 1, 3 interleaved repeats): hours, idle machine.
     "gpu-eagle3": dict(configs=EAGLE3_GREEDY, budgets="4,5,6,7,8", concurrency="1,4,16", num_prompts="16",
                        prompts_per_slot=4, max_tokens=256, warmup=2, repeats=3, no_enable_prefix_caching=True,
