@@ -557,7 +557,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     defaults = dict(configs="off,linear-suffix,tree-suffix", budgets="6", concurrency="1", request_rate="",
                     num_prompts="8", prompts_per_slot=2, max_tokens=128, datasets=",".join(DATASETS), warmup=1,
                     seed=0, temperature=0.0, max_model_len=2048, server_per="config", timeout=600.0,
-                    tree_budgets="auto", no_enable_prefix_caching=False, repeats=1, profile_prompts=8, profile_ranks=PROFILE_RANKS,
+                    tree_budgets="auto", no_enable_prefix_caching=False, repeats=1, profile_prompts=8,
+                    profile_ranks=PROFILE_RANKS,
                     out="runs/serve/custom")
     preset = PRESETS.get(args.preset or "", {})
     for k, v in {**defaults, **preset}.items():

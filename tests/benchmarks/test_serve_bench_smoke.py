@@ -469,9 +469,16 @@ def test_eagle3_dry_run_plans_and_head_default(monkeypatch, tmp_path, capsys):
     assert '"draft_sample_method": "probabilistic"' in text and '"draft_sampling": "sample_without_replacement"' in text
     assert '"drafter": "eagle3"' in text and '"tree": "s3_k2_d7", "dynamic": true' in text
     assert "profile: probe trees R = 1..3 (depth 6)" in text and "tree-eagle3-planned-D6 on the planned trees" in text
-    for preset in ("cpu-eagle3", "cpu-eagle3-t1", "gpu-eagle3", "gpu-eagle3-t1"):
+    for preset in ("cpu-eagle3", "cpu-eagle3-t1", "gpu-eagle3", "gpu-eagle3-t1", "cpu-eagle3-static",
+                   "cpu-eagle3-t1-static"):
         p = bench_serve.PRESETS[preset]
         assert p["no_enable_prefix_caching"] and "linear-eagle3" in p["configs"].split(",")
+    static = ["--preset", "cpu-eagle3-static", "--model", "m", "--head", str(head), "--datasets", "math",
+              "--dry-run", "--out", str(tmp_path / "s")]
+    assert bench_serve.main(static) == 0
+    text = capsys.readouterr().out
+    linear_row = text.split("linear-eagle3-D4")[1].split("\n")[0]
+    assert text.count('"budgets": {"1024": 8}') == 2 and '"budgets"' not in linear_row
     assert bench_serve.PRESETS["gpu-eagle3"]["budgets"] == "4,5,6,7,8"
     assert bench_serve.PRESETS["gpu-eagle3"]["concurrency"] == "1,4,16"
     assert bench_serve.PRESETS["gpu-eagle3"]["repeats"] == 3
