@@ -906,6 +906,11 @@ def _span(runs: list[RunPlan]) -> int:
     return sum(r.num_prompts for r in runs)
 
 
+def _window(run: RunPlan, rep: int, runs: list[RunPlan]) -> RunPlan:
+    """`run` in session mode's repeat `rep`: its prompts shifted to that repeat's fresh window."""
+    return dataclasses.replace(run, offset=run.offset + rep * _span(runs))
+
+
 def run_session(args, configs: list[Config], runs: list[RunPlan], pool, warm, by_id, env, log_dir: str,
                 max_seqs: int, out: Path, overall) -> int:
     """`--server-per session`: every configuration's server started once and kept up; repeat i sends the
@@ -925,7 +930,7 @@ def run_session(args, configs: list[Config], runs: list[RunPlan], pool, warm, by
                 overall.write(f"{config.name}: FAILED: {e}")
                 for rep in range(args.repeats):
                     for run in runs:
-                        shifted = dataclasses.replace(run, offset=run.offset + rep * _span(runs))
+                        shifted = _window(run, rep, runs)
                         run_file(out, config, run, rep, args.repeats).write_text(
                             json.dumps(failed_row(args, config, shifted, env, e, rep), indent=1))
                         overall.update(1)
@@ -936,7 +941,7 @@ def run_session(args, configs: list[Config], runs: list[RunPlan], pool, warm, by
                     continue
                 server = servers[config.name]
                 for run in runs:
-                    shifted = dataclasses.replace(run, offset=run.offset + rep * _span(runs))
+                    shifted = _window(run, rep, runs)
                     try:
                         row = measure(args, config, shifted, server.base, server, pool, warm, by_id, env,
                                       histories[config.name], rep)

@@ -23,6 +23,7 @@ wrong logits for every node that is not on a chain, with no error.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -92,13 +93,10 @@ class TreeStep:
     def __bool__(self) -> bool:
         return bool(self.requests)
 
-    @property
+    @cached_property
     def all_chains(self) -> bool:
         """Every tree of the step is a chain (its tree mask is the causal mask); computed once per step."""
-        cached = self.__dict__.get("_all_chains")
-        if cached is None:
-            cached = self.__dict__["_all_chains"] = all(r.tree.is_chain() for r in self.requests)
-        return cached
+        return all(r.tree.is_chain() for r in self.requests)
 
     def by_index(self) -> dict[int, TreeRequestStep]:
         return {r.req_index: r for r in self.requests}
