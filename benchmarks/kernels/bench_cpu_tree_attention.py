@@ -20,7 +20,8 @@ tree of `nodes` draft nodes (a complete binary tree). Providers, per layer:
                  merge costs on top of the kernel, i.e. what an LSE output of vLLM's
                  op would save
 
-Providers are timed interleaved (round-robin), `repeats` rounds, median per
+Providers are timed interleaved (round-robin), `repeats` rounds or more (small
+configs run rounds for ~1 s, at most 500: a 0.2 ms call is noisy in 7 samples), median per
 provider; ratio = tree_kernel / stock_causal (target <= 1.10), split_ratio =
 tree_split / stock_causal. A correctness gate compares both tree paths with the
 float64 per-node path oracle first. Shape: SmolLM2-135M attention (9 query heads,
@@ -50,6 +51,7 @@ import torch
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 128
 FULL_GRID = {"batch": [1, 4, 16, 64], "context": [256, 1024, 4096], "nodes": [15]}
 QUICK_GRID = {"batch": [1, 2], "context": [100], "nodes": [6]}
+MIN_ROUNDS_S, MAX_ROUNDS = 1.0, 500  # small configs get more interleaved rounds (seconds of rounds, at most)
 
 
 def _tree(n: int, shape: str):
@@ -243,7 +245,12 @@ def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: f
                 for fn in fns.values():
                     fn()  # warm-up
                 times = {name: [] for name in fns}
-                for _ in range(repeats):  # interleaved rounds
+                t0 = time.perf_counter()
+                for fn in fns.values():
+                    fn()
+                min_s = MIN_ROUNDS_S if not quick else 0.05
+                rounds = max(repeats, min(MAX_ROUNDS, math.ceil(min_s / (time.perf_counter() - t0))))
+                for _ in range(rounds):  # interleaved rounds
                     for name, fn in fns.items():
                         t0 = time.perf_counter()
                         fn()
@@ -251,7 +258,7 @@ def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: f
                 if "plan" in fns:
                     fns["plan"]()  # leave the plan cached for the next config's first call
                 med = {name: statistics.median(ts) for name, ts in times.items()}
-                row = {"tree": shape, "batch": batch, "context": context, "nodes": nodes,
+                row = {"tree": shape, "batch": batch, "context": context, "nodes": nodes, "rounds": rounds,
                        **{f"{k}_ms": v for k, v in med.items()},
                        "ratio": med["tree_kernel"] / med["stock_causal"],
                        "split_ratio": med["tree_split"] / med["stock_causal"]}
@@ -262,13 +269,13 @@ def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: f
                       f"({med['previous'] / med['stock_causal']:.2f}x), lse {med['lse_only']:.3f} ms, "
                       f"plan {med['plan']:.3f} ms", flush=True)
     md = [f"## CPU tree attention vs the stock kernel ({shape} trees)", "",
-          f"{report['shape']}, {report['threads']} thread(s), {repeats} interleaved rounds, median; "
+          f"{report['shape']}, {report['threads']} thread(s), at least {repeats} interleaved rounds (`rounds`), median; "
           f"correctness gate max |err| = {max(err.values()):.1e}", "",
-          "| batch | context | nodes | stock causal ms | tree kernel ms | ratio | tree split ms | ratio "
+          "| batch | context | nodes | rounds | stock causal ms | tree kernel ms | ratio | tree split ms | ratio "
           "| previous ms | ratio | side LSE ms | plan ms (per step) |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
-        md.append(f"| {r['batch']} | {r['context']} | {r['nodes']} | {r['stock_causal_ms']:.3f} | "
+        md.append(f"| {r['batch']} | {r['context']} | {r['nodes']} | {r['rounds']} | {r['stock_causal_ms']:.3f} | "
                   f"{r['tree_kernel_ms']:.3f} | {r['ratio']:.2f} | {r['tree_split_ms']:.3f} | {r['split_ratio']:.2f} | "
                   f"{r['previous_ms']:.3f} | "
                   f"{r['previous_ms'] / r['stock_causal_ms']:.2f} | {r['lse_only_ms']:.3f} | {r['plan_ms']:.3f} |")

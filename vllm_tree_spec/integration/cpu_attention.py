@@ -88,21 +88,20 @@ class _Plan:
     merged: TreeStep  # the branching trees (chains need no merge)
     nodes: split.NodeRows | None  # their nodes (split path; None: nothing to merge)
     blocks: split.PrefixBlocks | None  # their prefix blocks, windowed layers only (split path)
-    tree_args: dict | None = None  # the tree kernel's request tensors (kernel path)
+    tree_reqs: tree_kernel.TreeRequests | None = None  # the tree kernel's request tensors (kernel path)
 
 
-def _kernel_requests(step: TreeStep, block_table: torch.Tensor, block_size: int, num_kv_heads: int) -> dict:
+def _kernel_requests(step: TreeStep, block_table: torch.Tensor, block_size: int,
+                     num_kv_heads: int) -> tree_kernel.TreeRequests:
     """Request tensors of `cpu_tree_attention` for the branching trees of a step."""
     reqs = step.requests
     anc, depth = split.tree_masks(step)
-    root_pos = [r.root_pos for r in reqs]
-    return dict(root_row=torch.tensor([r.root_row for r in reqs], dtype=torch.long),
-                root_pos=torch.tensor(root_pos, dtype=torch.long),
-                num_nodes=torch.tensor([r.num_nodes for r in reqs], dtype=torch.long),
-                block_table=block_table[torch.tensor([r.req_index for r in reqs], dtype=torch.long)],
-                anc=anc, depth=depth,
-                blocks_per_split=tree_kernel.default_blocks_per_split([p // block_size + 1 for p in root_pos],
-                                                                      num_kv_heads))
+    return tree_kernel.tree_requests(
+        root_row=torch.tensor([r.root_row for r in reqs], dtype=torch.long),
+        root_pos=torch.tensor([r.root_pos for r in reqs], dtype=torch.long),
+        num_nodes=torch.tensor([r.num_nodes for r in reqs], dtype=torch.long),
+        block_table=block_table[torch.tensor([r.req_index for r in reqs], dtype=torch.long)],
+        anc=anc, depth=depth, block_size=block_size, num_kv_heads=num_kv_heads)
 
 
 def _plan(step: TreeStep, attn_metadata, block_size: int, window: int, num_heads: int, num_kv_heads: int,
@@ -185,9 +184,9 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                      self.head_size, query.dtype, layer.isa, self.kv_cache_dtype)
         if self.sinks is not None and self.sinks.dtype not in (torch.bfloat16, torch.float32):
             self.sinks = self.sinks.to(torch.float32)  # as the stock forward does
-        t = attn_metadata.num_actual_tokens
         ks = plan.kernel
         if not ks.placeholders_only:  # (a step of branching trees only: the tree kernel writes every row)
+            t = attn_metadata.num_actual_tokens
             nb, hkv, bs, _ = kv_cache.shape
             key_cache, value_cache = kv_cache.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
             ops.cpu_attention_with_kv_cache(
@@ -197,10 +196,10 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 softcap=self.logits_soft_cap, scheduler_metadata=plan.scheduler_metadata, s_aux=self.sinks,
                 dynamic_causal=ks.causal, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
                 kv_cache_dtype=self.kv_cache_dtype)
-        if plan.tree_args is not None:  # the branching trees' root and node rows, in one pass
-            tree_kernel.cpu_tree_attention(query[:t], kv_cache, output[:t], **plan.tree_args, isa=layer.isa,
-                                           scale=self.scale, softcap=self.logits_soft_cap, window=window,
-                                           sinks=self._tree_sinks())
+        if plan.tree_reqs is not None:  # the branching trees' root and node rows, in one pass
+            # (whole tensors: the kernel touches the tree rows only, which are all below t)
+            tree_kernel.cpu_tree_attention_step(query, kv_cache, output, plan.tree_reqs, layer.isa, self.scale,
+                                                self.logits_soft_cap or 0.0, window, self._tree_sinks())
         elif plan.merged:
             self._tree_merge(plan, query, kv_cache, attn_metadata.block_table, output, window, layer.isa)
 
