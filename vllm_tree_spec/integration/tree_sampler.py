@@ -311,10 +311,12 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step):
                   for st, sp in zip(states, sps)]
         row_ranges = [range(starts[b], starts[b] + r.num_nodes + 1) for b, r in zip(tree_idx, reqs)]
         flat_rows = [i for rr in row_ranges for i in rr]
-        if flat_rows == list(range(len(flat_rows))):  # only tree requests in the step: a view
-            x = logits[: len(flat_rows)]
-        else:
-            x = logits[upload([torch.tensor(flat_rows, dtype=torch.long)], device)[0]]  # [R, V]
+        rows_dev = None if flat_rows == list(range(len(flat_rows))) else \
+            upload([torch.tensor(flat_rows, dtype=torch.long)], device)[0]  # None: the first R rows
+
+        def tree_rows(t: torch.Tensor) -> torch.Tensor:  # the tree requests' R rows of t (a view when they lead)
+            return t[: len(flat_rows)] if rows_dev is None else t[rows_dev]
+
         offsets = batch.cu_num_rows.tolist()  # host
         local = [range(offsets[j], offsets[j + 1]) for j in range(len(reqs))]  # request j's rows of x
         moved = [j for j, sp in enumerate(sps) if _transforms_logits(sp)]
@@ -328,7 +330,11 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step):
         # are applied per request.
         greedy_any = any(m == Mode.GREEDY for m in modes)
         sampled_any = any(m != Mode.GREEDY for m in modes)
-        y = x.argmax(-1) if greedy_any else None  # [R]
+        if sampled_any or moved:
+            x = tree_rows(logits)  # [R, V]
+            y = x.argmax(-1) if greedy_any else None  # [R]
+        else:  # greedy rows read only their argmax: no [R, V] copy of the logits
+            x, y = None, tree_rows(logits.argmax(-1))  # [R]
         p_all = q_all = coins = None
         moved_set = set(moved)
         plain_sampled = [j for j in range(len(reqs)) if modes[j] != Mode.GREEDY and j not in moved_set]
