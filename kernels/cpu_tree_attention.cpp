@@ -4,17 +4,21 @@
 // `vllm_tree_spec.kernels.cpu_tree_attention_launch.cpu_tree_attention`; the
 // PyTorch twin is `cpu_tree_attention_reference` there.
 //
-// Work split (flash-decoding): task = (tree request b, KV head h, split s of b's
-// blocks). A task holds all R = (1 + N_b) * G (row, query head) pairs of b that
-// share KV head h, so every K/V block is read once for the root, all draft nodes
-// and all G query heads, as vLLM's kernel reads it once for a request's causal
-// rows. The draft nodes' own K/V sit at the slots right after the root's (the
-// step wrote them there), so b's key range is its prefix and then its nodes: the
-// tree part is the same block pass with the node keys masked per row by the
-// ancestor mask (the root sees none of them). Each task keeps a running max m,
-// exp-sum l and output acc per pair; the merge pass (per (b, h)) combines the
-// splits, adds the attention sink and writes the output rows (a request with one
-// split is finished by its task).
+// Work split: task = (tree request b, KV head h, split s of b's blocks, chunk of
+// b's pairs). A task holds the R = (1 + N_b) * G (row, query head) pairs of b
+// that share KV head h (all of them unless the launcher chunks them), so every
+// K/V block is read once for the root, all draft nodes and all G query heads, as
+// vLLM's kernel reads it once for a request's causal rows. When requests x KV
+// heads are too few for the threads, the launcher splits long key ranges
+// (flash-decoding: partials merged by log-sum-exp) and cuts short ones into
+// chunks of pairs (each chunk re-reads the few blocks; no merge, same bits).
+// The draft nodes' own K/V sit at the slots right after the root's (the step
+// wrote them there), so b's key range is its prefix and then its nodes: the tree
+// part is the same block pass with the node keys masked per row by the ancestor
+// mask (the root sees none of them). Each task keeps a running max m, exp-sum l
+// and output acc per pair; the merge pass (per (b, h)) combines the splits, adds
+// the attention sink and writes the output rows (a request with one split is
+// finished by its tasks).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -251,7 +255,7 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
                          const at::Tensor& root_row, const at::Tensor& root_pos, const at::Tensor& num_nodes,
                          const at::Tensor& block_table, const at::Tensor& anc, const at::Tensor& depth,
                          double scale_d, double softcap_d, int64_t window, const c10::optional<at::Tensor>& sinks,
-                         int64_t layout, int64_t blocks_per_split) {
+                         int64_t layout, int64_t blocks_per_split, int64_t pairs_per_task) {
   const int64_t B = root_row.size(0), n_max = anc.size(1);
   const int64_t Hkv = kv_cache.size(1), bs = kv_cache.size(2), D = kv_cache.size(3) / 2;
   const int64_t Hq = query.size(1), G = Hq / Hkv;
@@ -288,17 +292,26 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
     }
     split_base[b + 1] = split_base[b] + ns;
   }
+  // tasks: (split, KV head, chunk of pairs): a chunk reads the same blocks as the others and owns its rows
+  struct Task {
+    int64_t si, h, m0, m1;
+  };
+  std::vector<Task> tasks;
+  for (int64_t si = 0; si < static_cast<int64_t>(task_b.size()); ++si) {
+    const int64_t R = (1 + nn[task_b[si]]) * G;
+    for (int64_t h = 0; h < Hkv; ++h)
+      for (int64_t m0 = 0; m0 < R; m0 += pairs_per_task) tasks.push_back({si, h, m0, std::min(R, m0 + pairs_per_task)});
+  }
   const int64_t S_total = split_base[B];
   // partials [S_total, Hkv, R_max, D + 2]: acc, m, l
   const int64_t P = D + 2;
   // every task initialises its own rows (no zero fill); kept between calls: no allocation, no page faults
   float* part = scratch(0, static_cast<size_t>(S_total * Hkv * R_max * P));
 
-  auto q_of = [&](int64_t b, int64_t h, float* q) {  // [R, D] pairs (row, g), scaled
-    const int64_t R = (1 + nn[b]) * G;
-    for (int64_t m = 0; m < R; ++m) {
+  auto q_of = [&](int64_t b, int64_t h, int64_t m0, int64_t m1, float* q) {  // [m1 - m0, D] pairs (row, g), scaled
+    for (int64_t m = m0; m < m1; ++m) {
       const T* src = q_ptr + (rr[b] + m / G) * q_row_stride + (h * G + m % G) * q_head_stride;
-      for (int64_t d = 0; d < D; ++d) q[m * D + d] = to_f(src[d]) * scale;
+      for (int64_t d = 0; d < D; ++d) q[(m - m0) * D + d] = to_f(src[d]) * scale;
     }
   };
   auto q_pos = [&](int64_t b, int64_t row) { return rp[b] + (row == 0 ? 0 : dep[b * n_max + row - 1]); };
@@ -319,16 +332,18 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
   };
 
-  at::parallel_for(0, S_total * Hkv, 1, [&](int64_t begin, int64_t end) {
-    float* q = scratch(1, R_max * D);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    float* q_all = scratch(1, R_max * D);
     float* kt = scratch(2, D * bs);
     float* v = scratch(3, bs * D);
     float* s = scratch(4, R_max * bs);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t si = task / Hkv, h = task % Hkv, b = task_b[si];
-      const int64_t N = nn[b], R = (1 + N) * G, lo = key_lo(b), hi = rp[b];  // prefix keys lo .. hi, nodes after
-      q_of(b, h, q);
-      float* base = part + (si * Hkv + h) * R_max * P;
+      const auto [si, h, m0, m1] = tasks[task];
+      const int64_t b = task_b[si], R = m1 - m0;  // pairs m0 .. m1 - 1 of (b, h)
+      const int64_t N = nn[b], lo = key_lo(b), hi = rp[b];  // prefix keys lo .. hi, nodes after
+      q_of(b, h, m0, m1, q_all);
+      const float* q = q_all;
+      float* base = part + ((si * Hkv + h) * R_max + m0) * P;
       for (int64_t m = 0; m < R; ++m) {
         std::fill(base + m * P, base + m * P + D, 0.0f);
         base[m * P + D] = NEG_INF;
@@ -344,7 +359,7 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
         if (cap > 0.0f) softcap_(s, R * bs, cap);
         for (int64_t m = 0; m < R; ++m) {
           float* sm = s + m * bs;
-          const int64_t row = m / G;
+          const int64_t row = (m0 + m) / G;
           // visible prefix keys of this row: max(lo, pos_q - W + 1) .. hi
           int64_t row_lo = lo;
           if (window > 0) row_lo = std::max(row_lo, q_pos(b, row) - window + 1);
@@ -364,11 +379,12 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
         pv_accumulate(s, bs, R, n_keys, vb, D, base, P);
       }
       if (split_base[b + 1] - split_base[b] == 1)  // the request's only split: nothing to merge
-        for (int64_t m = 0; m < R; ++m) finish(b, h, m, base + m * P, base[m * P + D], base[m * P + D + 1]);
+        for (int64_t m = 0; m < R; ++m) finish(b, h, m0 + m, base + m * P, base[m * P + D], base[m * P + D + 1]);
     }
   });
 
-  // merge the splits, then the sink, per (b, h); a request with one split was finished by its task
+  // merge the splits, then the sink, per (b, h); a request with one split was finished by its tasks
+  if (S_total == B) return;  // every request had one split (no second parallel region to start)
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
     float* acc = scratch(5, D);
     for (int64_t task = begin; task < end; ++task) {
@@ -396,7 +412,7 @@ void tree_attention(const at::Tensor& query, const at::Tensor& kv_cache, at::Ten
                     const at::Tensor& root_row, const at::Tensor& root_pos, const at::Tensor& num_nodes,
                     const at::Tensor& block_table, const at::Tensor& anc, const at::Tensor& depth, double scale,
                     double softcap, int64_t window, const c10::optional<at::Tensor>& sinks, int64_t layout,
-                    int64_t blocks_per_split) {
+                    int64_t blocks_per_split, int64_t pairs_per_task) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1, "query [T, Hq, D], last dim contiguous");
   TORCH_CHECK(output.sizes() == query.sizes() && output.stride(2) == 1, "output like query");
   TORCH_CHECK(kv_cache.dim() == 4 && kv_cache.is_contiguous(), "kv_cache [num_blocks, Hkv, bs, 2D], contiguous");
@@ -412,9 +428,10 @@ void tree_attention(const at::Tensor& query, const at::Tensor& kv_cache, at::Ten
                                      sinks->numel() == query.size(1)), "sinks [Hq] float32");
   TORCH_CHECK(layout == 0 || layout == 1, "layout: 0 (vec / vec16) or 1 (amx)");
   TORCH_CHECK(blocks_per_split >= 1, "blocks_per_split >= 1");
+  TORCH_CHECK(pairs_per_task >= 1, "pairs_per_task >= 1");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "cpu_tree_attention", [&] {
     tree_attention_impl<scalar_t>(query, kv_cache, output, root_row, root_pos, num_nodes, block_table, anc, depth,
-                                  scale, softcap, window, sinks, layout, blocks_per_split);
+                                  scale, softcap, window, sinks, layout, blocks_per_split, pairs_per_task);
   });
 }
 
@@ -423,7 +440,7 @@ void tree_attention(const at::Tensor& query, const at::Tensor& kv_cache, at::Ten
 TORCH_LIBRARY(vllm_tree_spec_cpu, m) {
   m.def("tree_attention(Tensor query, Tensor kv_cache, Tensor(a!) output, Tensor root_row, Tensor root_pos, "
         "Tensor num_nodes, Tensor block_table, Tensor anc, Tensor depth, float scale, float softcap, int window, "
-        "Tensor? sinks, int layout, int blocks_per_split) -> ()");
+        "Tensor? sinks, int layout, int blocks_per_split, int pairs_per_task) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vllm_tree_spec_cpu, CPU, m) { m.impl("tree_attention", &tree_attention); }

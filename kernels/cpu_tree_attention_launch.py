@@ -20,8 +20,9 @@ root_row + 1 + i, cache positions P_b + 1 + i, positions P_b + depth[b, i]):
 
 Every (row, query head) pair of request b that shares KV head h is one task row,
 so each prefix block is read once per (request, KV head) as vLLM's kernel reads
-it for a request's causal rows; long prefixes are split over threads
-(`blocks_per_split`) and merged by log-sum-exp. Only the rows of these B
+it for a request's causal rows; where requests x KV heads are too few for the
+threads, long prefixes are split over threads (`blocks_per_split`, merged by
+log-sum-exp) and short ones cut into chunks of pairs (`pairs_per_task`). Only the rows of these B
 requests are written; every other output row is left as it is.
 
     cpu_tree_attention             the C++ kernel (this module's launcher)
@@ -85,16 +86,39 @@ def available() -> tuple[bool, str]:
         return False, str(e)
 
 
-def default_blocks_per_split(num_blocks: list[int], num_kv_heads: int, threads: int | None = None) -> int:
-    """Prefix blocks per task. No split on one thread or when requests x KV heads alone give every thread
-    4 tasks; otherwise each request's prefix is cut so that there are about 4 tasks per thread (a split
-    costs one more pass over the request's rows in the merge)."""
+NO_SPLIT = 1 << 30
+LONG_PREFIX_BLOCKS = 8  # key ranges this long are also split when chunks of pairs alone are too few
+
+
+def default_work_split(num_blocks: list[int], num_pairs: list[int], num_kv_heads: int,
+                       threads: int | None = None) -> tuple[int, int]:
+    """(blocks_per_split, pairs_per_task) for B requests with `num_blocks` key blocks and `num_pairs` (row,
+    query head) pairs per KV head each.
+
+    No split on one thread or when requests x KV heads alone give every thread 4 tasks. Otherwise each
+    (request, KV head) is cut into k pieces: the fewest that give a task count the threads divide evenly, or
+    else about 4 tasks per thread. Pieces are chunks of pairs first (whole register blocks of
+    4): each re-reads the request's blocks, which measured cheaper than a merge pass up to 4k keys on 2 threads,
+    and a pair's result does not depend on its chunk. Only where the pairs are too few for k chunks is a long
+    key range also split (flash-decoding: partials merged by log-sum-exp).
+    """
     threads = threads or torch.get_num_threads()
     tasks = len(num_blocks) * num_kv_heads
     if threads == 1 or tasks >= 4 * threads or not num_blocks:
-        return 1 << 30
-    splits = -(-4 * threads // tasks)
-    return max(1, -(-max(num_blocks) // splits))
+        return NO_SPLIT, NO_SPLIT
+    k = -(-4 * threads // tasks)
+    for even in range(1, k):  # fewer, equal pieces that the threads divide evenly (each piece converts its blocks)
+        if tasks * even % threads == 0:
+            k = even
+            break
+    if k == 1:
+        return NO_SPLIT, NO_SPLIT
+    chunks = max(1, min(k, -(-max(num_pairs) // 4)))
+    pairs_per_task = -(-(-(-max(num_pairs) // chunks)) // 4) * 4
+    rest = -(-k // chunks)  # pieces still wanted per chunk
+    if rest > 1 and max(num_blocks) >= LONG_PREFIX_BLOCKS:
+        return max(1, -(-max(num_blocks) // rest)), pairs_per_task
+    return NO_SPLIT, pairs_per_task
 
 
 @dataclass(frozen=True)
@@ -108,13 +132,22 @@ class TreeRequests:
     anc: torch.Tensor  # [B, n, n] bool ancestor-or-self (n = max nodes; padding ignored)
     depth: torch.Tensor  # [B, n] int64 (node depth >= 1; padding ignored)
     blocks_per_split: int
+    pairs_per_task: int
 
 
 def tree_requests(root_row, root_pos, num_nodes, block_table, anc, depth, *, block_size: int, num_kv_heads: int,
-                  blocks_per_split: int | None = None) -> TreeRequests:
-    if blocks_per_split is None:
-        blocks_per_split = default_blocks_per_split((root_pos // block_size + 1).tolist(), num_kv_heads)
-    return TreeRequests(root_row, root_pos, num_nodes, block_table, anc, depth, min(int(blocks_per_split), 1 << 30))
+                  queries_per_kv: int, blocks_per_split: int | None = None,
+                  pairs_per_task: int | None = None) -> TreeRequests:
+    """The request tensors with the work split (`default_work_split` for what is not given)."""
+    if blocks_per_split is None or pairs_per_task is None:
+        nodes = num_nodes.tolist()
+        blocks = [(p + n) // block_size + 1 for p, n in zip(root_pos.tolist(), nodes)]
+        pairs = [(1 + n) * queries_per_kv for n in nodes]
+        bps, ppt = default_work_split(blocks, pairs, num_kv_heads)
+        blocks_per_split = bps if blocks_per_split is None else blocks_per_split
+        pairs_per_task = ppt if pairs_per_task is None else pairs_per_task
+    return TreeRequests(root_row, root_pos, num_nodes, block_table, anc, depth,
+                        min(int(blocks_per_split), NO_SPLIT), min(int(pairs_per_task), NO_SPLIT))
 
 
 def cpu_tree_attention_step(query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor, reqs: TreeRequests,
@@ -122,7 +155,7 @@ def cpu_tree_attention_step(query: torch.Tensor, kv_cache: torch.Tensor, output:
                             sinks: torch.Tensor | None) -> None:
     """`cpu_tree_attention` on a step's prepared requests: one op call, nothing else (it runs in every layer)."""
     _op()(query, kv_cache, output, reqs.root_row, reqs.root_pos, reqs.num_nodes, reqs.block_table, reqs.anc,
-          reqs.depth, scale, softcap, window, sinks, LAYOUTS[isa], reqs.blocks_per_split)
+          reqs.depth, scale, softcap, window, sinks, LAYOUTS[isa], reqs.blocks_per_split, reqs.pairs_per_task)
 
 
 @functools.cache
@@ -147,17 +180,20 @@ def cpu_tree_attention(
     softcap: float = 0.0,
     window: int = 0,
     sinks: torch.Tensor | None = None,  # [Hq] float32
-    blocks_per_split: int | None = None,
+    blocks_per_split: int | None = None,  # None: `default_work_split`
+    pairs_per_task: int | None = None,  # None: `default_work_split`
 ) -> None:
     reqs = tree_requests(root_row, root_pos, num_nodes, block_table, anc, depth, block_size=kv_cache.shape[2],
-                         num_kv_heads=kv_cache.shape[1], blocks_per_split=blocks_per_split)
+                         num_kv_heads=kv_cache.shape[1], queries_per_kv=query.shape[1] // kv_cache.shape[1],
+                         blocks_per_split=blocks_per_split, pairs_per_task=pairs_per_task)
     cpu_tree_attention_step(query, kv_cache, output, reqs, isa, float(scale), float(softcap or 0.0), int(window or 0),
                             sinks)
 
 
 def cpu_tree_attention_reference(query, kv_cache, output, root_row, root_pos, num_nodes, block_table, anc, depth,
                                  *, isa: str, scale: float, softcap: float = 0.0, window: int = 0,
-                                 sinks: torch.Tensor | None = None, blocks_per_split=None) -> None:
+                                 sinks: torch.Tensor | None = None, blocks_per_split=None,
+                                 pairs_per_task=None) -> None:
     """`cpu_tree_attention` row by row in float64 (K/V read through `kv_layout`, the plugin's one reader)."""
     from vllm_tree_spec.integration import kv_layout
 

@@ -71,8 +71,10 @@ CASES = [  # isa, dtype, head_dim, hkv, g, bs, window, softcap, sinks
 
 
 @pytest.mark.parametrize("isa,dtype,head_dim,hkv,g,bs,window,softcap,sinks", CASES)
-@pytest.mark.parametrize("blocks_per_split", [None, 1, 1000])
-def test_kernel_matches_reference(isa, dtype, head_dim, hkv, g, bs, window, softcap, sinks, blocks_per_split):
+@pytest.mark.parametrize("blocks_per_split,pairs_per_task", [(None, None), (1, None), (1000, 1000), (2, 4), (1000, 3)],
+                         ids=["default", "split-1", "whole", "split-2-chunk-4", "chunk-3"])
+def test_kernel_matches_reference(isa, dtype, head_dim, hkv, g, bs, window, softcap, sinks, blocks_per_split,
+                                  pairs_per_task):
     # roots inside a block, on its last slot, on a new block's first slot; a root with no prefix; a chain
     ctxs = [(37, 6), (bs - 1, 3), (bs, 5), (0, 2), (3 * bs + 5, 9), (11, 1)]
     query, kv_cache, reqs = _case(head_dim + g + bs, isa=isa, dtype=dtype, head_dim=head_dim, hkv=hkv, g=g, bs=bs,
@@ -81,7 +83,8 @@ def test_kernel_matches_reference(isa, dtype, head_dim, hkv, g, bs, window, soft
               sinks=torch.randn(hkv * g) if sinks else None)
     sentinel = torch.full_like(query, 7.0)
     got, want = sentinel.clone(), sentinel.clone()
-    K.cpu_tree_attention(query, kv_cache, got, **reqs, **kw, blocks_per_split=blocks_per_split)
+    K.cpu_tree_attention(query, kv_cache, got, **reqs, **kw, blocks_per_split=blocks_per_split,
+                         pairs_per_task=pairs_per_task)
     K.cpu_tree_attention_reference(query, kv_cache, want, **reqs, **kw)
     tree_rows = torch.zeros(query.shape[0], dtype=torch.bool)
     for r, n in zip(reqs["root_row"].tolist(), reqs["num_nodes"].tolist()):
@@ -90,6 +93,34 @@ def test_kernel_matches_reference(isa, dtype, head_dim, hkv, g, bs, window, soft
     tol = 2e-5 if dtype == torch.float32 else 1e-2
     err = (got[tree_rows].double() - want[tree_rows].double()).abs().max().item()
     assert err < tol, err
+
+
+@pytest.mark.parametrize("isa,dtype,head_dim,hkv,g,bs,window,softcap,sinks", [CASES[1], CASES[4], CASES[7]])
+def test_chunks_of_pairs_do_not_change_a_bit(isa, dtype, head_dim, hkv, g, bs, window, softcap, sinks):
+    # each pair's arithmetic is its own: cutting the pairs into tasks (any chunk size) must give the same bits
+    ctxs = [(37, 6), (bs - 1, 3), (3 * bs + 5, 9)]
+    query, kv_cache, reqs = _case(7, isa=isa, dtype=dtype, head_dim=head_dim, hkv=hkv, g=g, bs=bs, ctxs=ctxs)
+    kw = dict(isa=isa, scale=1 / math.sqrt(head_dim), softcap=softcap, window=window,
+              sinks=torch.randn(hkv * g) if sinks else None, blocks_per_split=1000)
+    whole = torch.zeros_like(query)
+    K.cpu_tree_attention(query, kv_cache, whole, **reqs, **kw, pairs_per_task=1000)
+    for chunk in (1, 3, 4, 8):
+        got = torch.zeros_like(query)
+        K.cpu_tree_attention(query, kv_cache, got, **reqs, **kw, pairs_per_task=chunk)
+        assert torch.equal(got, whole), chunk
+
+
+def test_default_work_split():
+    split = K.default_work_split
+    assert split([3], [48], 3, threads=1) == (K.NO_SPLIT, K.NO_SPLIT)  # one thread: one task per (b, h)
+    assert split([3] * 4, [48] * 4, 3, threads=2) == (K.NO_SPLIT, K.NO_SPLIT)  # 12 tasks: 4+ per thread
+    assert split([3] * 2, [48] * 2, 3, threads=2) == (K.NO_SPLIT, K.NO_SPLIT)  # 6 equal tasks: 3 per thread
+    assert split([3], [48], 3, threads=2) == (K.NO_SPLIT, 24)  # 3 x 2 chunks of 24 pairs: 3 tasks per thread
+    assert split([33], [48], 3, threads=2) == (K.NO_SPLIT, 24)  # long, but chunks of pairs give the tasks
+    assert split([33], [3], 3, threads=2) == (17, 4)  # too few pairs to chunk: the keys are split in 2
+    assert split([3], [3], 3, threads=2) == (K.NO_SPLIT, 4)  # too few of both: as it is
+    assert split([33], [48], 3, threads=16) == (17, 4)  # 12 chunks of 4 pairs, and the keys in 2 (72 tasks)
+    assert split([9], [48], 1, threads=3) == (K.NO_SPLIT, 16)  # 1 task: 3 chunks, one per thread
 
 
 def test_reference_is_sensitive_to_the_tree_mask():

@@ -91,8 +91,8 @@ class _Plan:
     tree_reqs: tree_kernel.TreeRequests | None = None  # the tree kernel's request tensors (kernel path)
 
 
-def _kernel_requests(step: TreeStep, block_table: torch.Tensor, block_size: int,
-                     num_kv_heads: int) -> tree_kernel.TreeRequests:
+def _kernel_requests(step: TreeStep, block_table: torch.Tensor, block_size: int, num_kv_heads: int,
+                     queries_per_kv: int) -> tree_kernel.TreeRequests:
     """Request tensors of `cpu_tree_attention` for the branching trees of a step."""
     reqs = step.requests
     anc, depth = split.tree_masks(step)
@@ -101,7 +101,7 @@ def _kernel_requests(step: TreeStep, block_table: torch.Tensor, block_size: int,
         root_pos=torch.tensor([r.root_pos for r in reqs], dtype=torch.long),
         num_nodes=torch.tensor([r.num_nodes for r in reqs], dtype=torch.long),
         block_table=block_table[torch.tensor([r.req_index for r in reqs], dtype=torch.long)],
-        anc=anc, depth=depth, block_size=block_size, num_kv_heads=num_kv_heads)
+        anc=anc, depth=depth, block_size=block_size, num_kv_heads=num_kv_heads, queries_per_kv=queries_per_kv)
 
 
 def _plan(step: TreeStep, attn_metadata, block_size: int, window: int, num_heads: int, num_kv_heads: int,
@@ -122,7 +122,8 @@ def _plan(step: TreeStep, attn_metadata, block_size: int, window: int, num_heads
         dynamic_causal=ks.causal, kv_cache_dtype=kv_cache_dtype)
     merged = split.branching(step)
     if external:
-        plan = _Plan(ks, sched, merged, None, None, _kernel_requests(merged, bt, block_size, num_kv_heads) if merged else None)
+        reqs = _kernel_requests(merged, bt, block_size, num_kv_heads, num_heads // num_kv_heads) if merged else None
+        plan = _Plan(ks, sched, merged, None, None, reqs)
     else:
         nodes = split.node_rows(merged, bt, block_size) if merged else None
         blocks = split.prefix_blocks(merged, bt, block_size, window) if merged and window > 0 else None
