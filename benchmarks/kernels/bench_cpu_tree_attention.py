@@ -22,7 +22,9 @@ tree of `nodes` draft nodes (a complete binary tree). Providers, per layer:
                  merge costs on top of the kernel, i.e. what an LSE output of vLLM's
                  op would save
 
-Providers are timed interleaved (round-robin), `repeats` rounds or more (small
+Providers are timed interleaved, each round in a fresh seeded random order (a call's
+time depends on what ran before it: up to 15 % for the same call at batch 1 on two
+threads), `repeats` rounds or more (small
 configs run rounds for ~1 s, at most 500: a 0.2 ms call is noisy in 7 samples), median per
 provider; ratio = tree_kernel / stock_causal (target <= 1.10), split_ratio =
 tree_split / stock_causal. A correctness gate compares both tree paths with the
@@ -42,6 +44,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -260,8 +263,12 @@ def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: f
                     fn()
                 min_s = MIN_ROUNDS_S if not quick else 0.05
                 rounds = max(repeats, min(MAX_ROUNDS, math.ceil(min_s / (time.perf_counter() - t0))))
-                for _ in range(rounds):  # interleaved rounds
-                    for name, fn in fns.items():
+                order = list(fns)
+                shuffle = random.Random(0).shuffle
+                for _ in range(rounds):  # interleaved rounds, each in its own order (what runs before a call matters)
+                    shuffle(order)
+                    for name in order:
+                        fn = fns[name]
                         t0 = time.perf_counter()
                         fn()
                         times[name].append((time.perf_counter() - t0) * 1e3)
