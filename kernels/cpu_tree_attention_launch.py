@@ -114,7 +114,8 @@ def default_work_split(num_blocks: list[int], num_pairs: list[int], num_kv_heads
     if k == 1:
         return NO_SPLIT, NO_SPLIT
     chunks = max(1, min(k, -(-max(num_pairs) // 4)))
-    pairs_per_task = -(-(-(-max(num_pairs) // chunks)) // 4) * 4
+    per_chunk = -(-max(num_pairs) // chunks)
+    pairs_per_task = -(-per_chunk // 4) * 4  # whole register blocks of 4 pairs
     rest = -(-k // chunks)  # pieces still wanted per chunk
     if rest > 1 and max(num_blocks) >= LONG_PREFIX_BLOCKS:
         return max(1, -(-max(num_blocks) // rest)), pairs_per_task
