@@ -333,7 +333,7 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
   };
 
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    float* q_all = scratch(1, R_max * D);
+    float* q = scratch(1, R_max * D);
     float* kt = scratch(2, D * bs);
     float* v = scratch(3, bs * D);
     float* s = scratch(4, R_max * bs);
@@ -341,8 +341,7 @@ void tree_attention_impl(const at::Tensor& query, const at::Tensor& kv_cache, at
       const auto [si, h, m0, m1] = tasks[task];
       const int64_t b = task_b[si], R = m1 - m0;  // pairs m0 .. m1 - 1 of (b, h)
       const int64_t N = nn[b], lo = key_lo(b), hi = rp[b];  // prefix keys lo .. hi, nodes after
-      q_of(b, h, m0, m1, q_all);
-      const float* q = q_all;
+      q_of(b, h, m0, m1, q);
       float* base = part + ((si * Hkv + h) * R_max + m0) * P;
       for (int64_t m = 0; m < R; ++m) {
         std::fill(base + m * P, base + m * P + D, 0.0f);

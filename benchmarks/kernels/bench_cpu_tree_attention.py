@@ -283,14 +283,16 @@ def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: f
                 report["results"].append(row)
                 print(f"B={batch:3d} ctx={context:5d} nodes={nodes}: stock {med['stock_causal']:.3f} ms, "
                       f"kernel {med['tree_kernel']:.3f} ms ({row['ratio']:.2f}x; op alone {row['op_ratio']:.2f}x), "
-                      f"split {med['tree_split']:.3f} ms ({row['split_ratio']:.2f}x), previous {med['previous']:.3f} ms "
-                      f"({med['previous'] / med['stock_causal']:.2f}x), lse {med['lse_only']:.3f} ms, "
+                      f"split {med['tree_split']:.3f} ms ({row['split_ratio']:.2f}x), "
+                      f"previous {med['previous']:.3f} ms ({med['previous'] / med['stock_causal']:.2f}x), "
+                      f"lse {med['lse_only']:.3f} ms, "
                       f"plan {med['plan']:.3f} ms", flush=True)
     md = [f"## CPU tree attention vs the stock kernel ({shape} trees)", "",
-          f"{report['shape']}, {report['threads']} thread(s), at least {repeats} interleaved rounds (`rounds`), median; "
+          f"{report['shape']}, {report['threads']} thread(s), at least {repeats} interleaved rounds (`rounds`), "
+          f"median; "
           f"correctness gate max |err| = {max(err.values()):.1e}", "",
-          "| batch | context | nodes | rounds | stock causal ms | tree kernel ms | ratio | op alone | tree split ms | ratio "
-          "| previous ms | ratio | side LSE ms | plan ms (per step) |",
+          "| batch | context | nodes | rounds | stock causal ms | tree kernel ms | ratio | op alone | tree split ms "
+          "| ratio | previous ms | ratio | side LSE ms | plan ms (per step) |",
           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         md.append(f"| {r['batch']} | {r['context']} | {r['nodes']} | {r['rounds']} | {r['stock_causal_ms']:.3f} | "
