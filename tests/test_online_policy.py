@@ -19,6 +19,7 @@ from vllm_tree_spec.drafters.base import DraftRequest, TreeDrafter, TreeProposal
 from vllm_tree_spec.online_policy import (
     FULL,
     NONE,
+    OBSERVE_PER_STEP,
     AcceptanceProfile,
     OnlinePolicy,
     Plan,
@@ -157,6 +158,44 @@ def test_costly_verify_switches_speculation_off():
     tail = eng.drafter.calls[-64:]
     asked = [c for c in tail if any(c)]
     assert 0 < len(asked) <= 64 // pol.explore_every + 1, (len(asked), pol.explore_period)
+
+
+def test_a_probe_is_drafted_only_for_the_rounds_read_back():
+    """At 32 requests the policy learns from 8 rounds a step (every 4th request, rotating): an exploration step
+    drafts the unpruned tree for exactly the requests whose rounds the next step reads back, the plan ('none'
+    here) for the others, and those probes are what the next step learns from."""
+    pol = OnlinePolicy(8, replan_every=64, explore_every=8)
+    eng = Engine(pol, ShapeDrafter(wide_shape(3, 2)), [0.3, 0.1], line(1.0, 5.0), batch=32).run(640)
+    assert plan_of(eng) == NONE, eng.history
+    probes = [c for c in eng.drafter.calls[-128:] if any(c)]
+    assert probes, "no exploration step in 128 steps"
+    for budgets in probes:
+        asked = [i for i, b in enumerate(budgets) if b]
+        assert len(asked) == OBSERVE_PER_STEP, budgets
+        assert len({i % 4 for i in asked}) == 1  # one residue of the rotation
+    while not pol.exploring():  # until the last step explored (the counter is read after a step's end_step)
+        eng.step()
+    before = pol.rounds_seen
+    eng.step()  # reads the probes back
+    assert pol.rounds_seen - before == OBSERVE_PER_STEP
+
+
+def test_a_finished_request_leaves_the_step_clean_and_an_arrival_does_not():
+    """A step interval is timed unless a request arrived (its prefill shares the forward): a request that
+    finished was verified in the interval, and its rows are counted."""
+    pol = OnlinePolicy(8, replan_every=10_000, explore_every=1 << 20)
+    eng = Engine(pol, ShapeDrafter(wide_shape(3, 2)), [0.5, 0.2], line(1.0, 0.1), batch=4).run(4)
+    w = pol.costs[4].w
+    assert w == 3  # the first call has no interval before it
+    rid = next(iter(eng.contexts))
+    del eng.contexts[rid]
+    eng.shape_policy.finish_request(rid)
+    eng.step()
+    assert pol.costs[4].w == w + 1
+    eng.contexts["new"] = [1, 2, 3]
+    eng.drafter.start_request("new", [1, 2, 3])
+    eng.step()
+    assert pol.costs[4].w == w + 1
 
 
 def test_no_speculation_returns_when_verify_gets_cheap():

@@ -24,7 +24,9 @@ Keys (see README for the table):
                        nodes}: the node budget for batches up to that size (0 switches speculation off there)
     replan_every, explore_every   budgets "auto": steps between re-plans (256), base period of the
                        unpruned exploration steps (16)
-    suffix / ngram knobs: max_spec_factor, min_token_prob, prompt_lookup_min, prompt_lookup_max
+    suffix / ngram knobs: max_spec_factor, min_token_prob (the best chain's caps, as vLLM's linear
+                       `suffix`), branch_spec_factor, branch_min_token_prob (the branches' caps; default:
+                       the node budget alone), prompt_lookup_min, prompt_lookup_max
                        (a knob of another drafter is refused rather than ignored)
     seed               draft_model with draft_sampling != "topk": seed of the draft's own sampling
 """
@@ -59,6 +61,8 @@ DRAFTER_KEYS: dict[str, tuple[str, ...]] = {  # keys that only one drafter famil
     "prompt_lookup_max": ("ngram",),
     "max_spec_factor": ("suffix",),
     "min_token_prob": ("suffix",),
+    "branch_spec_factor": ("suffix",),
+    "branch_min_token_prob": ("suffix",),
     "dynamic": ("draft_model", "mtp", "eagle3", "eagle"),
     "seed": MODEL_DRAFTERS,
 }
@@ -94,6 +98,10 @@ class TreeSpecConfig(BaseModel):
                              "their drafter score is below the break-even of one more verified row.")
     max_spec_factor: float = Field(1.0, gt=0, description="Suffix drafter: tokens per matched token.")
     min_token_prob: float = Field(0.1, ge=0, le=1, description="Suffix drafter: min continuation frequency.")
+    branch_spec_factor: float | None = Field(None, gt=0, description="Suffix drafter: max_spec_factor of the "
+                                             "tree's branches (None: the node budget alone caps them).")
+    branch_min_token_prob: float = Field(0.0, ge=0, le=1, description="Suffix drafter: min_token_prob of the "
+                                         "tree's branches.")
     prompt_lookup_min: int = Field(1, ge=1, description="N-gram drafter: shortest suffix to match.")
     prompt_lookup_max: int = Field(3, ge=1, description="N-gram drafter: longest suffix to match.")
     seed: int | None = Field(None, description="Seed of the drafter's own sampling (draft_sampling != 'topk').")

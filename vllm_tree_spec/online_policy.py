@@ -55,9 +55,10 @@ is dropped; where the step is compute-bound tau approaches the tokens per verifi
 
 Exploration: a policy that settled on a chain would never see a rank-1 child
 again and could never return to a tree. Every `explore period`-th step drafts
-the unpruned, ungated tree (ranks up to MAX_RANK are counted as asked, every confidence is calibrated), which costs at
-most the gap between the full tree and the plan on that one step; while the
-plan is `full` it drafts a half-budget chain instead (the cost of fewer rows).
+the unpruned, ungated tree (ranks up to MAX_RANK are counted as asked, every confidence is calibrated) for the
+requests whose rounds the next step reads back (at most OBSERVE_PER_STEP, the same rotation) and the plan for the
+others, which costs at most the gap between the full tree and the plan for those requests on that one step;
+while the plan is `full` they draft a half-budget chain instead (the cost of fewer rows).
 The period starts at `explore_every`, doubles at every re-plan that keeps the
 plan (up to 8x), and resets when the plan changes or the cost drifts (its
 measured step time 50 % off the prediction): a settled policy pays little.
@@ -66,8 +67,8 @@ Observations are read from the committed tokens themselves: the next call's
 context extends the previous one by the accepted path plus one bonus token,
 and the path is found by matching those tokens against the tree that was
 verified (at most OBSERVE_PER_STEP requests a step, rotating). Only clean steps
-(the same requests as the step before, each grown by 1..1 + nodes tokens) time
-the step; a request whose growth does not match its tree (preempted,
+(no request arrived since the step before, each grown by 1..1 + nodes tokens;
+requests may have finished) time the step; a request whose growth does not match its tree (preempted,
 truncated) is skipped.
 
 Nothing here imports vLLM; `integration/shape_policy.py` adds the log line and
@@ -803,13 +804,16 @@ class ShapePolicy:
         self._last_rows = 0
         self._last_drafted = False
         self._last_explored = False
-        self._last_ids: tuple = ()
+        self._last_ids: set = set()
 
     def propose(self, drafter, requests: Sequence[DraftRequest], budgets: Sequence[int]) -> list[TreeProposal]:
         pol = self.policy
         start = pol.clock()
         ids = tuple(r.req_id for r in requests)
-        clean = bool(requests) and ids == self._last_ids
+        # Clean: no request arrived since the last step (each one here grew by 1..1 + nodes, checked below). A
+        # request that finished was verified in the interval, which its rows count; under churn (a large batch
+        # whose requests finish on different steps) requiring the very same batch would leave few clean steps.
+        clean = bool(requests) and set(ids) <= self._last_ids
         stride = -(-len(requests) // OBSERVE_PER_STEP)  # learn from at most OBSERVE_PER_STEP rounds a step
         for i, r in enumerate(requests):  # the previous step's outcome, from the committed tokens
             if not self._observe(r, len(requests), learn=(i + pol.steps) % stride == 0):
@@ -822,26 +826,32 @@ class ShapePolicy:
         if decisions and self.on_decisions is not None:
             self.on_decisions(decisions)
         explore = pol.exploring()
-        applied = pol.applied(pol.plan_for(len(requests)), explore)
-        asked = [0 if applied.kind == "none" else b for b in budgets]
+        plan = pol.plan_for(len(requests))
+        # An exploration step probes only the rounds the next step learns from (the same rotation, read after
+        # end_step): the other requests draft the plan, so a probe costs at most OBSERVE_PER_STEP requests'
+        # extra rows however large the batch.
+        probed = [explore and (i + pol.steps) % stride == 0 for i in range(len(requests))]
+        probe = pol.applied(plan, True) if explore else plan
+        applied = [probe if e else plan for e in probed]
+        asked = [0 if a.kind == "none" else b for a, b in zip(applied, budgets)]
         t0 = pol.clock()
         out = drafter.propose(list(requests), asked) if requests else []
-        if applied.kind == "tree":
-            out = [prune_to_shape(p, applied) for p in out]
-        gate = NO_GATE if explore else pol.gate_for(len(requests))  # exploration calibrates every confidence
+        out = [prune_to_shape(p, a) if a.kind == "tree" else p for p, a in zip(out, applied)]
+        gate = pol.gate_for(len(requests))  # a probe is never gated: it calibrates every confidence
         probs = bool(getattr(drafter, "scores_are_probs", False))
         gated = [pol.score_gate and p.scores is not None and p.mode in GATED_MODES for p in out]
         if gate != NO_GATE:
-            out = [gate_by_confidence(p, confidence(p.scores, probs), gate) if g else p for p, g in zip(out, gated)]
+            out = [gate_by_confidence(p, confidence(p.scores, probs), gate) if g and not e else p
+                   for p, g, e in zip(out, gated, probed)]
         self._last_draft_ms = (pol.clock() - t0) * 1e3
         self._last_start = start  # a step's interval runs from one propose call to the next
-        self._last_ids = ids
+        self._last_ids = set(ids)
         self._last_rows = sum(1 + p.num_nodes for p in out)
         self._last_drafted = any(asked)
         self._last_explored = explore
-        for r, p, n, g in zip(requests, out, asked, gated):  # confidence is computed for the rounds read back only
-            self._pending[r.req_id] = _Pending(len(r.token_ids), p.tree, applied, explore, n,
-                                               p.scores if g else None, probs)
+        for r, p, n, g, a, e in zip(requests, out, asked, gated, applied, probed):
+            # confidence is computed for the rounds read back only
+            self._pending[r.req_id] = _Pending(len(r.token_ids), p.tree, a, e, n, p.scores if g else None, probs)
         return out
 
     def _observe(self, req: DraftRequest, batch_size: int, learn: bool = True) -> bool:

@@ -51,3 +51,28 @@ def test_ngram_chain_layout_prunes_to_the_rank0_path():
 def test_chain_plan_only_for_explicit_chains_of_model_free_drafters(keys, pruned):
     assert (chain_plan(TreeSpecConfig(method="tree", **keys)) is not None) == pruned
 
+
+
+def test_suffix_chain_layout_is_vllms_linear_draft():
+    """"chain:K" with the suffix drafter: its branches are not drafted; the proposal is the library's chain."""
+    pytest.importorskip("arctic_inference.suffix_decoding")
+    from arctic_inference.suffix_decoding import SuffixDecodingCache
+
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 4, 5, 6, 9, 10, 4, 5, 6, 7, 8, 4, 5, 11, 9, 4, 5]
+
+    def proposer(**keys):
+        cfg = TreeSpecConfig(method="tree", drafter="suffix", budgets={"8": 6}, **keys)
+        p = TreeProposer(SimpleNamespace(additional_config={"tree_spec": cfg.model_dump()},
+                                         scheduler_config=SimpleNamespace(max_num_seqs=8)))
+        p.drafter.start_request("r", prompt)
+        return p
+
+    chain_p = proposer(tree="chain:6")
+    assert chain_p.drafter.branches is False
+    chain = chain_p.propose_trees([DraftRequest("r", prompt, 0.0)], [6])[0].tree
+    lib = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000)
+    lib.start_request("r", prompt)
+    linear = lib.speculate("r", prompt, max_spec_tokens=6)  # vLLM's linear `suffix` call, its defaults
+    assert chain.tokens.tolist() == list(linear.token_ids) and len(linear.token_ids) >= 1
+    full = proposer(num_speculative_tokens=6).propose_trees([DraftRequest("r", prompt, 0.0)], [6])[0].tree
+    assert full.num_nodes > chain.num_nodes  # the default tree spends the budget the chain's caps leave

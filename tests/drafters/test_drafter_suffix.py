@@ -54,6 +54,26 @@ def test_repetitive_text_gives_a_branching_tree_within_budget():
         assert 0 < float(s[i]) <= 1 and (par < 0 or float(s[i]) <= float(s[par]) + 1e-9)
 
 
+def test_a_longer_match_scores_higher_at_the_same_frequency():
+    """Each context has one earlier occurrence of its matched suffix: a 1-token match ("50") and a 6-token match
+    ("3 4 5 6 7 8"). The score f x m / (m + depth) ranks the long match's continuation first; the library's
+    frequency alone does not (it is no higher for the long match)."""
+    d = _drafter()
+    short_ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 50, 20, 30, 40, 50]
+    long_ctx = [1, 2, 3, 4, 5, 6, 7, 8, 9, 60, 61, 62, 63, 64, 65, 66, 3, 4, 5, 6, 7, 8]
+    out = {}
+    for rid, ctx in (("short", short_ctx), ("long", long_ctx)):
+        d.start_request(rid, ctx)
+        (p,) = d.propose([DraftRequest(rid, ctx)], [1])
+        lib = d.cache.speculate(rid, ctx, max_spec_tokens=1, max_spec_factor=4.0, min_token_prob=0.0)
+        assert p.tree.tokens.tolist() == list(lib.token_ids)
+        assert float(p.scores[0]) == pytest.approx(lib.probs[0] * lib.match_len / (lib.match_len + 1))
+        out[rid] = (lib.match_len, lib.probs[0], float(p.scores[0]))
+        d.finish_request(rid)
+    assert out["short"][0] == 1 and out["long"][0] == 6
+    assert out["long"][1] <= out["short"][1] and out["long"][2] > out["short"][2]
+
+
 def test_only_new_tokens_are_added_and_they_are_used():
     d = _drafter()
     added: list[int] = []
@@ -149,6 +169,47 @@ def test_constructor_validation():
         SuffixTreeDrafter(max_spec_factor=-1)
     with pytest.raises(DrafterError, match="min_token_prob"):
         SuffixTreeDrafter(min_token_prob=1.5)
+    with pytest.raises(DrafterError, match="branch_spec_factor"):
+        SuffixTreeDrafter(branch_spec_factor=0.0)
+    with pytest.raises(DrafterError, match="branch_min_token_prob"):
+        SuffixTreeDrafter(branch_min_token_prob=-0.1)
+
+
+def _library(d: SuffixTreeDrafter, ctx, budget: int, tree_spec: bool, factor: float, min_prob: float):
+    return d.cache.speculate("a", ctx[-d.max_tree_depth:], use_tree_spec=tree_spec, max_spec_tokens=budget,
+                             max_spec_factor=factor, max_spec_offset=d.max_spec_offset, min_token_prob=min_prob)
+
+
+def test_linear_caps_cap_the_chain_and_the_branches_spend_the_budget():
+    """vLLM's defaults (factor 1, min frequency 0.1): the chain is the linear draft; the tree adds the branches."""
+    d = SuffixTreeDrafter()  # vLLM's linear defaults for the chain, branches capped by the budget alone
+    d.start_request("a", PROMPT)
+    ctx = PROMPT + [9, 4, 5]  # the longest match is "4 5": the linear caps allow 2 tokens
+    budget = 8
+    (p,) = d.propose([DraftRequest("a", ctx)], [budget])
+    chain = _library(d, ctx, budget, False, 1.0, 0.1)
+    nc = len(chain.token_ids)
+    assert 1 <= nc < budget  # the linear caps leave budget unused ...
+    assert p.tree.tokens.tolist()[:nc] == list(chain.token_ids)
+    assert p.tree.parents.tolist()[:nc] == list(range(-1, nc - 1))
+    assert nc < p.num_nodes <= budget  # ... which the branches spend
+    assert (11,) in _paths(p.tree) and (6, 7, 8, 4, 5) in _paths(p.tree)  # a sibling and a deeper continuation
+    # branches off ("tree": "chain:K"): exactly the linear draft
+    c = SuffixTreeDrafter(branches=False)
+    c.start_request("a", PROMPT)
+    (q,) = c.propose([DraftRequest("a", ctx)], [budget])
+    assert q.tree.tokens.tolist() == list(chain.token_ids) and q.tree.parents.tolist() == list(range(-1, nc - 1))
+    # scores: path frequency x m / (m + depth), m the match length (2 here)
+    m = chain.match_len
+    assert m == 2
+    assert q.scores.tolist() == pytest.approx([f * m / (m + d + 1) for d, f in enumerate(chain.probs)])
+    # branch caps equal to the chain's: the library's tree under the linear caps (the tree before the branch caps)
+    e = SuffixTreeDrafter(branch_spec_factor=1.0, branch_min_token_prob=0.1)
+    e.start_request("a", PROMPT)
+    (r,) = e.propose([DraftRequest("a", ctx)], [budget])
+    lib = _library(e, ctx, budget, True, 1.0, 0.1)
+    assert _paths(r.tree) == _paths(Tree(lib.parents, lib.token_ids)) | _paths(q.tree)
+    assert r.num_nodes < p.num_nodes
 
 
 @settings(max_examples=40, deadline=None)
@@ -159,14 +220,12 @@ def test_constructor_validation():
 )
 def test_library_trees_are_topological_with_distinct_siblings_and_passed_through(prompt, response, budget):
     """The proposal = the library's best chain, then its tree's branches (merged, best-first, to budget)."""
-    d = _drafter()
+    d = _drafter(min_token_prob=0.1, max_spec_factor=1.0)
     d.start_request("a", prompt)
     ctx = prompt + response
     (p,) = d.propose([DraftRequest("a", ctx)], [budget])
-    kw = dict(max_spec_tokens=budget, max_spec_factor=d.max_spec_factor, max_spec_offset=d.max_spec_offset,
-              min_token_prob=d.min_token_prob)
-    raw = d.cache.speculate("a", ctx[-d.max_tree_depth:], use_tree_spec=True, **kw)
-    chain = d.cache.speculate("a", ctx[-d.max_tree_depth:], use_tree_spec=False, **kw)
+    chain = _library(d, ctx, budget, False, 1.0, 0.1)  # the chain's caps
+    raw = _library(d, ctx, budget, True, float(budget), 0.0)  # the branches': the budget alone
     assert len(raw.token_ids) <= budget and len(chain.token_ids) <= budget
     assert all(par < i for i, par in enumerate(raw.parents))
     assert p.tree.duplicate_siblings() == []

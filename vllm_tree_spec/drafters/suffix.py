@@ -22,6 +22,24 @@ What this adapter adds on top of the library:
   tokens already added (a suffix tree cannot forget them);
 * the node budget: passed as `max_spec_tokens` and enforced again by keeping
   a topological prefix of the library's best-first order;
+* the shape: the library's best chain under the user's caps (exactly the
+  draft vLLM's linear `suffix` method verifies), then the branches of its tree
+  under the *branch* caps, which by default are the node budget alone. The
+  linear caps (a draft of at most max_spec_factor x the matched length, nodes
+  of frequency >= min_token_prob) leave most of the budget unused (~2.2 of 6
+  candidates per round on chat and code prompts); the tree spends it on the
+  library's other continuations and on deeper ones. Whether a node is worth its
+  verify row is the engine's call, not a fixed cap: the online policy's score
+  gate drops nodes whose calibrated acceptance at their score is below the
+  break-even of one more row (docs/planner.md section 4);
+* a score that ranks nodes by how likely they are accepted: the path
+  frequency f times m / (m + d), for a node at depth d drafted from a match of
+  m tokens. The frequency alone ranks poorly: a continuation seen once after a
+  one-token match has f = 1. The factor is the linear caps' rule (a match of m
+  tokens predicts about m more) made soft. Replayed against greedy outputs
+  (`benchmarks/step/suffix_replay.py`, 96 chat / code / math prompts), the
+  chance that an accepted node outranks a rejected one (AUC) is 0.83 with the
+  factor and 0.74 without; it only orders nodes, the gate calibrates it;
 * a canonical tree: the order is checked (re-listed topologically if the
   library ever returns otherwise) and duplicate sibling tokens are merged, so
   the deterministic rule sees distinct children.
@@ -53,6 +71,15 @@ DEFAULT_MAX_SPEC_FACTOR = 1.0
 DEFAULT_MIN_TOKEN_PROB = 0.1
 
 
+def _scores(draft) -> list[float]:
+    """[n] per node of a library draft: path frequency f x m / (m + depth) (m: the draft's match length)."""
+    m, depth, out = max(1, draft.match_len), [], []
+    for i, (p, f) in enumerate(zip(draft.parents, draft.probs)):
+        depth.append(1 if p < 0 else depth[p] + 1)
+        out.append(float(f) * m / (m + depth[i]))
+    return out
+
+
 def as_int_list(seq) -> list[int]:
     """A token sequence (list, tuple, tensor, ndarray) as a list of Python ints."""
     if hasattr(seq, "tolist"):
@@ -70,10 +97,15 @@ class SuffixTreeDrafter(TreeDrafter):
         max_spec_factor, max_spec_offset: the library caps a draft at
             max_spec_factor * match_length + max_spec_offset tokens.
         min_token_prob: drop nodes whose estimated path probability is below this.
+            These three cap the best chain, the draft of vLLM's linear `suffix` method.
+        branch_spec_factor: caps the branches as max_spec_factor caps the chain; None (default): the
+            node budget alone.
+        branch_min_token_prob: min_token_prob of the branches (default 0: every continuation seen).
+        branches: False drafts the best chain only (one library call per request; `"tree": "chain:K"`).
         validate_proposals: see `TreeDrafter`.
     """
 
-    scores_are_probs = True  # scores: the library's path frequencies
+    scores_are_probs = True  # scores: path frequency x m / (m + depth), in (0, 1]
 
     def __init__(
         self,
@@ -83,6 +115,9 @@ class SuffixTreeDrafter(TreeDrafter):
         max_spec_factor: float = DEFAULT_MAX_SPEC_FACTOR,
         max_spec_offset: float = 0.0,
         min_token_prob: float = DEFAULT_MIN_TOKEN_PROB,
+        branch_spec_factor: float | None = None,
+        branch_min_token_prob: float = 0.0,
+        branches: bool = True,
         validate_proposals: bool = True,
     ) -> None:
         super().__init__(validate_proposals=validate_proposals)
@@ -94,8 +129,12 @@ class SuffixTreeDrafter(TreeDrafter):
             raise DrafterError(f"max_spec_factor = {max_spec_factor} must be >= 0")
         if not 0 <= min_token_prob <= 1:
             raise DrafterError(f"min_token_prob = {min_token_prob} must be in [0, 1]")
+        if branch_spec_factor is not None and branch_spec_factor <= 0:
+            raise DrafterError(f"branch_spec_factor = {branch_spec_factor} must be > 0 (or None: the budget alone)")
+        if not 0 <= branch_min_token_prob <= 1:
+            raise DrafterError(f"branch_min_token_prob = {branch_min_token_prob} must be in [0, 1]")
         try:
-            from arctic_inference.suffix_decoding import SuffixDecodingCache
+            from arctic_inference.suffix_decoding import SuffixDecodingCache, SuffixDecodingDraft
         except ImportError as e:  # optional dependency (the cpu / gpu extras)
             raise ImportError(
                 "SuffixTreeDrafter needs the arctic-inference package: pip install arctic-inference "
@@ -105,6 +144,10 @@ class SuffixTreeDrafter(TreeDrafter):
         self.max_spec_factor = max_spec_factor
         self.max_spec_offset = max_spec_offset
         self.min_token_prob = min_token_prob
+        self.branch_spec_factor = branch_spec_factor
+        self.branch_min_token_prob = branch_min_token_prob
+        self.branches = branches
+        self._no_branches = SuffixDecodingDraft()  # an empty draft
         self.cache = SuffixDecodingCache(max_tree_depth=max_tree_depth, max_cached_requests=max_cached_requests)
         self._num_added: dict[Hashable, int] = {}  # tokens of token_ids already in the cache
         self._last_added: dict[Hashable, int] = {}  # the last of them, to detect a rewritten context
@@ -148,17 +191,23 @@ class SuffixTreeDrafter(TreeDrafter):
                 out.append(TreeProposal.empty(mode))
                 continue
             context = as_int_list(req.token_ids[-self.max_tree_depth :])
-            kw = dict(max_spec_tokens=budget, max_spec_factor=self.max_spec_factor,
-                      max_spec_offset=self.max_spec_offset, min_token_prob=self.min_token_prob)
             # The library's best chain first (what vLLM's linear `suffix` method verifies), then its
-            # tree's other branches in best-first order: at the same budget the tree contains the
-            # linear draft whenever the chain is shorter than the budget, and never less.
-            chain = self.cache.speculate(req.req_id, context, use_tree_spec=False, **kw)
-            branch = self.cache.speculate(req.req_id, context, use_tree_spec=True, **kw)
+            # tree's branches in best-first order: the tree contains the linear draft and spends the
+            # budget the linear caps leave.
+            chain = self.cache.speculate(req.req_id, context, use_tree_spec=False, max_spec_tokens=budget,
+                                         max_spec_factor=self.max_spec_factor, max_spec_offset=self.max_spec_offset,
+                                         min_token_prob=self.min_token_prob)
+            branch = self._no_branches
+            if self.branches:
+                # a match is >= 1 token, so a factor of `budget` leaves the budget as the only cap
+                factor = float(budget) if self.branch_spec_factor is None else self.branch_spec_factor
+                branch = self.cache.speculate(req.req_id, context, use_tree_spec=True, max_spec_tokens=budget,
+                                              max_spec_factor=factor, max_spec_offset=self.max_spec_offset,
+                                              min_token_prob=self.branch_min_token_prob)
             nc = len(chain.token_ids)
             parents = list(range(-1, nc - 1)) + [p if p < 0 else p + nc for p in branch.parents]
             tokens = list(chain.token_ids) + list(branch.token_ids)
-            probs = list(chain.probs) + list(branch.probs)
+            probs = _scores(chain) + _scores(branch)
             tree, scores = canonical_tree(parents, tokens, probs, budget)
             out.append(TreeProposal(tree, mode, scores=scores))
         return out

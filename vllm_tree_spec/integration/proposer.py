@@ -9,7 +9,9 @@ per-request budgets, which the chain interface cannot carry.
 Model-free drafters (suffix, n-gram) build their own trees and only take a node
 budget from the `tree` layout, except `"chain:K"`: there each proposal is pruned
 to its rank-0 path (the drafter's best chain), so the engine verifies chains
-like vLLM's linear methods (a lossless pruning, as the shape policy's).
+like vLLM's linear methods (a lossless pruning, as the shape policy's); the suffix
+drafter then does not draft its branches at all (its best chain is vLLM's
+linear `suffix` draft).
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
     if cfg.drafter == "suffix":
         from vllm_tree_spec.drafters.suffix import SuffixTreeDrafter
 
-        return SuffixTreeDrafter(max_spec_factor=cfg.max_spec_factor, min_token_prob=cfg.min_token_prob)
+        # "chain:K" verifies the best chain only: the branches are not drafted at all
+        return SuffixTreeDrafter(max_spec_factor=cfg.max_spec_factor, min_token_prob=cfg.min_token_prob,
+                                 branch_spec_factor=cfg.branch_spec_factor,
+                                 branch_min_token_prob=cfg.branch_min_token_prob,
+                                 branches=chain_plan(cfg) is None)
     if cfg.drafter == "ngram":
         from vllm_tree_spec.drafters.ngram import NgramTreeDrafter
 
