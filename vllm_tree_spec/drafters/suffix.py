@@ -207,7 +207,7 @@ class SuffixTreeDrafter(TreeDrafter):
             nc = len(chain.token_ids)
             parents = list(range(-1, nc - 1)) + [p if p < 0 else p + nc for p in branch.parents]
             tokens = list(chain.token_ids) + list(branch.token_ids)
-            probs = _scores(chain) + _scores(branch)
-            tree, scores = canonical_tree(parents, tokens, probs, budget)
+            node_scores = _scores(chain) + _scores(branch)
+            tree, scores = canonical_tree(parents, tokens, node_scores, budget)
             out.append(TreeProposal(tree, mode, scores=scores))
         return out
