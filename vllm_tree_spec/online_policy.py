@@ -789,6 +789,11 @@ class _Pending:
     scores_are_probs: bool = False
 
 
+def _read_back(i: int, stride: int, step: int) -> bool:
+    """Whether request i of a step is one of the rounds learned from (every stride-th, rotating with the step)."""
+    return (i + step) % stride == 0
+
+
 class ShapePolicy:
     """Wraps a drafter's `propose`: applies the plan, reads the outcome back, times clean steps.
 
@@ -809,14 +814,14 @@ class ShapePolicy:
     def propose(self, drafter, requests: Sequence[DraftRequest], budgets: Sequence[int]) -> list[TreeProposal]:
         pol = self.policy
         start = pol.clock()
-        ids = tuple(r.req_id for r in requests)
+        ids = {r.req_id for r in requests}
         # Clean: no request arrived since the last step (each one here grew by 1..1 + nodes, checked below). A
         # request that finished was verified in the interval, which its rows count; under churn (a large batch
         # whose requests finish on different steps) requiring the very same batch would leave few clean steps.
-        clean = bool(requests) and set(ids) <= self._last_ids
+        clean = bool(requests) and ids <= self._last_ids
         stride = -(-len(requests) // OBSERVE_PER_STEP)  # learn from at most OBSERVE_PER_STEP rounds a step
         for i, r in enumerate(requests):  # the previous step's outcome, from the committed tokens
-            if not self._observe(r, len(requests), learn=(i + pol.steps) % stride == 0):
+            if not self._observe(r, len(requests), learn=_read_back(i, stride, pol.steps)):
                 clean = False
         if clean and self._last_start is not None:
             step_ms = (start - self._last_start) * 1e3 - self._last_draft_ms
@@ -830,7 +835,7 @@ class ShapePolicy:
         # An exploration step probes only the rounds the next step learns from (the same rotation, read after
         # end_step): the other requests draft the plan, so a probe costs at most OBSERVE_PER_STEP requests'
         # extra rows however large the batch.
-        probed = [explore and (i + pol.steps) % stride == 0 for i in range(len(requests))]
+        probed = [explore and _read_back(i, stride, pol.steps) for i in range(len(requests))]
         probe = pol.applied(plan, True) if explore else plan
         applied = [probe if e else plan for e in probed]
         asked = [0 if a.kind == "none" else b for a, b in zip(applied, budgets)]
@@ -845,7 +850,7 @@ class ShapePolicy:
                    for p, g, e in zip(out, gated, probed)]
         self._last_draft_ms = (pol.clock() - t0) * 1e3
         self._last_start = start  # a step's interval runs from one propose call to the next
-        self._last_ids = set(ids)
+        self._last_ids = ids
         self._last_rows = sum(1 + p.num_nodes for p in out)
         self._last_drafted = any(asked)
         self._last_explored = explore

@@ -30,8 +30,16 @@ import os
 import sys
 from pathlib import Path
 
+from vllm_tree_spec.drafters.suffix import (
+    DEFAULT_MAX_CACHED_REQUESTS,
+    DEFAULT_MAX_SPEC_FACTOR,
+    DEFAULT_MAX_TREE_DEPTH,
+    DEFAULT_MIN_TOKEN_PROB,
+)
+
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULTS = dict(max_spec_factor=1.0, max_spec_offset=0.0, min_token_prob=0.1)  # vLLM 0.32's linear suffix
+# vLLM 0.32's linear suffix
+DEFAULTS = dict(max_spec_factor=DEFAULT_MAX_SPEC_FACTOR, max_spec_offset=0.0, min_token_prob=DEFAULT_MIN_TOKEN_PROB)
 
 
 def greedy_outputs(n: int, max_tokens: int, datasets: tuple[str, ...]) -> list[dict]:
@@ -58,7 +66,8 @@ class LinearSuffix:
         from arctic_inference.suffix_decoding import SuffixDecodingCache
 
         self.caps = caps
-        self.cache = SuffixDecodingCache(max_tree_depth=24, max_cached_requests=10000)
+        self.cache = SuffixDecodingCache(max_tree_depth=DEFAULT_MAX_TREE_DEPTH,
+                                         max_cached_requests=DEFAULT_MAX_CACHED_REQUESTS)
 
     def start(self, rid, prompt) -> None:
         self.cache.start_request(rid, prompt)
@@ -70,7 +79,7 @@ class LinearSuffix:
         self.cache.stop_request(rid)
 
     def draft(self, rid, ctx, budget) -> tuple[list[int], list[int]]:
-        d = self.cache.speculate(rid, ctx[-24:], max_spec_tokens=budget, use_tree_spec=False, **self.caps)
+        d = self.cache.speculate(rid, ctx[-DEFAULT_MAX_TREE_DEPTH:], max_spec_tokens=budget, use_tree_spec=False, **self.caps)
         return list(range(-1, len(d.token_ids) - 1)), list(d.token_ids)
 
 

@@ -52,7 +52,6 @@ def test_chain_plan_only_for_explicit_chains_of_model_free_drafters(keys, pruned
     assert (chain_plan(TreeSpecConfig(method="tree", **keys)) is not None) == pruned
 
 
-
 def test_suffix_chain_layout_is_vllms_linear_draft():
     """"chain:K" with the suffix drafter: its branches are not drafted; the proposal is the library's chain."""
     pytest.importorskip("arctic_inference.suffix_decoding")

@@ -134,7 +134,7 @@ class SuffixTreeDrafter(TreeDrafter):
         if not 0 <= branch_min_token_prob <= 1:
             raise DrafterError(f"branch_min_token_prob = {branch_min_token_prob} must be in [0, 1]")
         try:
-            from arctic_inference.suffix_decoding import SuffixDecodingCache, SuffixDecodingDraft
+            from arctic_inference.suffix_decoding import SuffixDecodingCache
         except ImportError as e:  # optional dependency (the cpu / gpu extras)
             raise ImportError(
                 "SuffixTreeDrafter needs the arctic-inference package: pip install arctic-inference "
@@ -147,7 +147,6 @@ class SuffixTreeDrafter(TreeDrafter):
         self.branch_spec_factor = branch_spec_factor
         self.branch_min_token_prob = branch_min_token_prob
         self.branches = branches
-        self._no_branches = SuffixDecodingDraft()  # an empty draft
         self.cache = SuffixDecodingCache(max_tree_depth=max_tree_depth, max_cached_requests=max_cached_requests)
         self._num_added: dict[Hashable, int] = {}  # tokens of token_ids already in the cache
         self._last_added: dict[Hashable, int] = {}  # the last of them, to detect a rewritten context
@@ -197,17 +196,17 @@ class SuffixTreeDrafter(TreeDrafter):
             chain = self.cache.speculate(req.req_id, context, use_tree_spec=False, max_spec_tokens=budget,
                                          max_spec_factor=self.max_spec_factor, max_spec_offset=self.max_spec_offset,
                                          min_token_prob=self.min_token_prob)
-            branch = self._no_branches
+            nc = len(chain.token_ids)
+            parents, tokens, node_scores = list(range(-1, nc - 1)), list(chain.token_ids), _scores(chain)
             if self.branches:
                 # a match is >= 1 token, so a factor of `budget` leaves the budget as the only cap
                 factor = float(budget) if self.branch_spec_factor is None else self.branch_spec_factor
                 branch = self.cache.speculate(req.req_id, context, use_tree_spec=True, max_spec_tokens=budget,
                                               max_spec_factor=factor, max_spec_offset=self.max_spec_offset,
                                               min_token_prob=self.branch_min_token_prob)
-            nc = len(chain.token_ids)
-            parents = list(range(-1, nc - 1)) + [p if p < 0 else p + nc for p in branch.parents]
-            tokens = list(chain.token_ids) + list(branch.token_ids)
-            node_scores = _scores(chain) + _scores(branch)
+                parents += [p if p < 0 else p + nc for p in branch.parents]
+                tokens += branch.token_ids
+                node_scores += _scores(branch)
             tree, scores = canonical_tree(parents, tokens, node_scores, budget)
             out.append(TreeProposal(tree, mode, scores=scores))
         return out
