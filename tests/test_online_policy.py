@@ -10,6 +10,7 @@ chain back to a tree when the drafter changes.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -18,14 +19,19 @@ import torch
 from vllm_tree_spec.drafters.base import DraftRequest, TreeDrafter, TreeProposal
 from vllm_tree_spec.online_policy import (
     FULL,
+    LINEAR,
     NONE,
     OBSERVE_PER_STEP,
     AcceptanceProfile,
     OnlinePolicy,
     Plan,
     ShapePolicy,
+    _linear_yield,
     bucket_of,
+    linear_nodes,
+    prune_to_linear,
     prune_to_shape,
+    structure,
 )
 from vllm_tree_spec.tree import Tree
 from vllm_tree_spec.verify import Mode
@@ -315,7 +321,7 @@ def test_tensor_parallel_ranks_take_the_first_ranks_plans():
 def test_a_short_load_is_planned_before_the_periodic_replan():
     """A bucket gets one early re-plan once it has MIN_STEPS clean steps: a load shorter than
     `replan_every` is still planned (here the periodic re-plan never comes)."""
-    pol = OnlinePolicy(8, replan_every=10_000, explore_every=8)
+    pol = OnlinePolicy(8, replan_every=10_000, explore_every=8, first_replan=None)
     eng = Engine(pol, ShapeDrafter(wide_shape(4, 2)), [0.8], line(5.0, 0.4)).run(120)
     plan = plan_of(eng)
     assert plan.kind == "tree" and plan.shape.is_chain(), (plan, eng.history)
@@ -326,7 +332,7 @@ def test_a_short_load_is_planned_before_the_periodic_replan():
 
 def test_without_early_replans_the_same_load_keeps_the_full_tree():
     """The negative control of the test above: with the early re-plan disabled the bucket stays `full`."""
-    pol = OnlinePolicy(8, replan_every=10_000, explore_every=8)
+    pol = OnlinePolicy(8, replan_every=10_000, explore_every=8, first_replan=None)
     pol._early_replan_due = lambda: False
     eng = Engine(pol, ShapeDrafter(wide_shape(4, 2)), [0.8], line(5.0, 0.4)).run(120)
     assert plan_of(eng) == FULL and pol.replans == 0
@@ -340,3 +346,156 @@ def test_an_unplanned_bucket_borrows_the_nearest_planned_one():
     assert pol.plan_for(2) == chain4 and pol.plan_for(8) == chain2
     assert pol.plan_for(3) == chain4  # bucket 4: as near to 2 as to 8, the smaller bucket wins
     assert pol.plan_for(1) == chain4 and pol.plan_for(64) == chain2 and pol.plan_for(16) == chain2
+
+
+# ---------------------------------------------------------------------------
+# The drafter's linear draft as a plan
+
+
+class LinearFirstDrafter(TreeDrafter):
+    """A suffix-like drafter: a rank-0 chain of `depth` nodes whose first L are its linear draft (L drawn per
+    round from `lengths`), plus a rank-1 sibling under every chain node. The engine accepts exactly the linear
+    draft: the linear part is sure, everything else is wrong, so rows beyond it only cost."""
+
+    def __init__(self, depth: int, lengths: list[int], seed: int = 0):
+        super().__init__()
+        self.depth, self.lengths, self.rng = depth, lengths, random.Random(seed)
+        self.linear: dict = {}  # req_id -> the token ids of its last linear draft
+
+    def _propose(self, requests, budgets):
+        out = []
+        for r, b in zip(requests, budgets):
+            parents = list(range(-1, self.depth - 1)) + list(range(-1, self.depth - 1))  # chain, then siblings
+            parents = parents[:b]
+            n = len(parents)
+            k = min(self.rng.choice(self.lengths), n, self.depth)
+            tokens = 1000 + torch.arange(n)
+            self.linear[r.req_id] = set(range(1000, 1000 + k))
+            out.append(TreeProposal(Tree(torch.tensor(parents), tokens), Mode.DETERMINISTIC, linear_len=k))
+        return out
+
+
+class LinearEngine(Engine):
+    def accept(self, tree: Tree) -> list[int]:
+        rid = self._rid
+        path, row = [], 0
+        while True:
+            kids = [c for c in tree.children[row] if int(tree.tokens[c]) in self.drafter.linear[rid]]
+            if not kids:
+                return path
+            path.append(kids[0])
+            row = kids[0] + 1
+
+    def step(self) -> None:  # the base step, with the request id known to `accept`
+        reqs = [DraftRequest(rid, list(ctx), 0.0) for rid, ctx in self.contexts.items()]
+        t0 = self.now
+        out = self.shape_policy.propose(self.drafter, reqs, [self.budget] * len(reqs))
+        self.now = t0 + 0.0002
+        rows = 0
+        for r, p in zip(reqs, out):
+            self._rid = r.req_id
+            path = self.accept(p.tree)
+            self.contexts[r.req_id] += [int(p.tree.tokens[n]) for n in path] + [BONUS]
+            rows += 1 + p.num_nodes
+            self.tokens += 1 + len(path)
+        self.now += self.cost(len(reqs), rows) / 1e3
+        self.steps += 1
+
+
+def test_linear_nodes_and_pruning():
+    parents = [-1, 0, 1, -1, 0]  # chain 0-1-2, sibling 3 of 0, sibling 4 of 1
+    p = TreeProposal(Tree(torch.tensor(parents), torch.tensor([10, 11, 12, 13, 14])), Mode.DETERMINISTIC,
+                     scores=torch.tensor([0.9, 0.8, 0.7, 0.2, 0.1], dtype=torch.float64), linear_len=2)
+    assert linear_nodes(p) == [0, 1]
+    lin = prune_to_linear(p)
+    assert lin.tree.parents.tolist() == [-1, 0] and lin.tree.tokens.tolist() == [10, 11]
+    assert lin.scores.tolist() == [0.9, 0.8]
+    p = dataclasses.replace(p, linear_len=None)  # no linear draft given: the rank-0 path
+    assert linear_nodes(p) == [0, 1, 2]
+    assert prune_to_linear(p).tree.tokens.tolist() == [10, 11, 12]
+    shuffled = TreeProposal(Tree(torch.tensor([-1, -1, 1, 0]), torch.tensor([5, 6, 7, 8])), Mode.DETERMINISTIC)
+    assert linear_nodes(shuffled) == [0, 3]  # first child at each level, wherever it is listed
+    assert str(LINEAR) == "linear" and LINEAR.kind == "linear" and LINEAR.num_nodes == 0
+
+
+def test_a_bad_linear_len_is_refused():
+    from vllm_tree_spec.drafters.base import DrafterError
+
+    tree = Tree(torch.tensor([-1, -1, 1]), torch.tensor([5, 6, 7]))
+    TreeProposal(tree, Mode.DETERMINISTIC, linear_len=1).validate(budget=3)
+    for bad in (2, 4, -1):  # node 1 is not node 0's child; more than N; negative
+        with pytest.raises(DrafterError, match="linear_len"):
+            TreeProposal(tree, Mode.DETERMINISTIC, linear_len=bad).validate(budget=3)
+
+
+def _greedy_walk(parents: list[int], tokens: list[int], target: list[int]) -> list[int]:
+    """The tokens the greedy rule accepts: follow the child spelling the target while there is one."""
+    node, out = -1, []
+    for t in target:
+        nxt = [j for j, q in enumerate(parents) if q == node and tokens[j] == t]
+        if not nxt:
+            break
+        node = nxt[0]
+        out.append(t)
+    return out
+
+
+def test_linear_yield_is_what_the_linear_draft_alone_accepts():
+    """Exhaustive over small trees and targets: the linear draft's yield read from a round that verified the
+    whole tree (or the part a gate kept) equals verifying the linear draft (so gated) alone."""
+    rng = random.Random(0)
+    for _ in range(400):
+        n = rng.randint(1, 7)
+        k = rng.randint(0, n)
+        parents = list(range(-1, k - 1)) + [rng.randint(-1, i - 1) for i in range(k, n)]
+        tokens = []
+        for i, par in enumerate(parents):  # distinct siblings from a small alphabet
+            used = {tokens[j] for j in range(i) if parents[j] == par}
+            tokens.append(rng.choice([t for t in range(6) if t not in used]))
+        p = TreeProposal(Tree(torch.tensor(parents), torch.tensor(tokens)), Mode.DETERMINISTIC, linear_len=k)
+        p.validate()
+        keep = rng.randint(0, n)  # a gate that keeps an ancestor-closed prefix of the nodes
+        v_par, v_tok = parents[:keep], tokens[:keep]
+        lin_kept = [tokens[i] for i in range(min(k, keep))]
+        for _ in range(5):
+            target = [rng.randrange(6) for _ in range(8)]
+            new = _greedy_walk(v_par, v_tok, target)
+            children = structure(v_par)[3]
+            got = _linear_yield(p, v_tok, children, new)
+            alone = _greedy_walk(list(range(-1, len(lin_kept) - 1)), lin_kept, target)
+            assert got == (1 + len(alone), len(lin_kept)), (parents, tokens, keep, target, got, alone)
+
+
+def test_rows_that_only_cost_settle_on_the_linear_draft():
+    """The linear draft is accepted whole and nothing else is; its length varies by round, so no fixed chain
+    matches it: with rows that cost, the policy settles on `linear` (its measured yield) and gets its
+    tokens at the fewest rows."""
+    pol = OnlinePolicy(8, replan_every=64, explore_every=8, score_gate=False)
+    eng = LinearEngine(pol, LinearFirstDrafter(6, [0, 1, 4]), None, line(5.0, 2.0)).run(400)
+    assert plan_of(eng) == LINEAR, eng.history
+    assert ("linear" in [h[1] for h in eng.history])
+    # the negative control: where rows are free the longer chain is no worse and the policy has no reason to
+    # leave the drafter's own tree for its linear draft
+    pol2 = OnlinePolicy(8, replan_every=64, explore_every=8, score_gate=False)
+    eng2 = LinearEngine(pol2, LinearFirstDrafter(6, [0, 1, 4]), None, line(5.0, 0.0)).run(400)
+    assert plan_of(eng2) != LINEAR, eng2.history
+
+
+def test_early_replans_come_at_doubling_intervals():
+    """Re-plans at steps 32, 96, 224, then every replan_every; early ones do not back exploration off."""
+    pol = OnlinePolicy(4, replan_every=256, explore_every=16)
+    at = []
+    for _ in range(1000):
+        if pol.end_step() is not None and pol.steps_since_replan == 0:
+            at.append(pol.steps)
+        if pol.steps == 224:
+            assert pol.explore_period == 16  # three early re-plans kept the plan: still the base period
+    assert at == [32, 96, 224, 480, 736, 992], at
+    assert pol.explore_period == 16 * 8  # the periodic ones back it off (x2 each, up to 8x)
+    fixed = OnlinePolicy(4, replan_every=256, explore_every=16, first_replan=None)
+    at = []
+    for _ in range(600):
+        fixed.end_step()
+        if fixed.steps_since_replan == 0:
+            at.append(fixed.steps)
+    assert at == [256, 512]

@@ -108,6 +108,7 @@ DRIFT = 0.5  # a plan's measured step ms 50 % off its prediction: the cost has m
 DRIFT_FORGET = 0.1  # then old cost samples keep a tenth of their weight
 EXPLORE_BACKOFF = 8  # the exploration period grows to at most 8 x explore_every
 GATE_EDGES = np.linspace(-12.0, 0.0, 25)  # score-gate bins: log confidence in 0.5-nat steps (below -12: bin 0)
+FIRST_REPLAN = 32  # re-plans come 32, 64, 128, ... steps apart until replan_every: early plans rest on few rounds
 MIN_GATE_NODES = 256  # drafted nodes calibrated before a bucket gets a gate
 MIN_BIN_NODES = 64  # a bin's counts are not decayed below this
 GATE_QUANTILE = 0.95  # a bin is dropped when even its 95 % upper bound of acceptance is below the break-even
@@ -125,9 +126,10 @@ def bucket_of(batch_size: int) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """What a bucket drafts: `full` (the drafter's own tree), `tree` (pruned to `shape`) or `none`."""
+    """What a bucket drafts: `full` (the drafter's own tree), `linear` (its linear draft: what the linear
+    method of the same drafter verifies), `tree` (pruned to `shape`) or `none`."""
 
-    kind: str  # "full" | "tree" | "none"
+    kind: str  # "full" | "linear" | "tree" | "none"
     shape: Tree | None = None  # shape-only tree (kind "tree")
 
     def __post_init__(self) -> None:
@@ -139,7 +141,7 @@ class Plan:
         return Plan("none") if shape is None or shape.num_nodes == 0 else Plan("tree", shape)
 
     def __str__(self) -> str:
-        return "full" if self.kind == "full" else describe_tree(self.shape)
+        return self.kind if self.kind in ("full", "linear") else describe_tree(self.shape)
 
     @property
     def key(self) -> tuple:
@@ -175,6 +177,7 @@ class Plan:
 
 
 FULL = Plan("full")
+LINEAR = Plan("linear")
 NONE = Plan("none")
 
 
@@ -217,6 +220,26 @@ def prune_to_shape(proposal: TreeProposal, plan: "Plan") -> TreeProposal:
     parents = tree.parents.tolist()
     _, _, paths, _ = structure(parents)
     return _keep_nodes(proposal, [i for i, p in enumerate(paths) if p in allowed])
+
+
+def linear_nodes(proposal: TreeProposal, children: list[list[int]] | None = None) -> list[int]:
+    """The nodes of the drafter's linear draft: its first `linear_len` nodes, else the rank-0 path
+    (`children`: by row, from `structure`, if the caller has it)."""
+    if proposal.linear_len is not None:
+        return list(range(proposal.linear_len))
+    children = children if children is not None else structure(proposal.tree.parents.tolist())[3]
+    out, row = [], 0
+    while children[row]:
+        out.append(children[row][0])
+        row = out[-1] + 1
+    return out
+
+
+def prune_to_linear(proposal: TreeProposal) -> TreeProposal:
+    """The proposal's linear draft (a chain from the root; the same lossless rule verifies it)."""
+    if proposal.tree.num_nodes == 0:
+        return proposal
+    return _keep_nodes(proposal, linear_nodes(proposal))
 
 
 def confidence(scores: torch.Tensor, scores_are_probs: bool) -> np.ndarray:
@@ -280,6 +303,9 @@ class AcceptanceProfile:
     full_rounds: float = 0.0  # unpruned rounds: the `full` plan's measured yield
     full_tokens: float = 0.0  # tokens per round summed, bonus included
     full_nodes: float = 0.0
+    linear_rounds: float = 0.0  # rounds whose verified tree held the linear draft: what it would have yielded
+    linear_tokens: float = 0.0
+    linear_nodes: float = 0.0
 
     def __post_init__(self) -> None:
         shape = (self.max_depth, MAX_RANK)
@@ -327,6 +353,15 @@ class AcceptanceProfile:
         self.full_rounds *= factor
         self.full_tokens *= factor
         self.full_nodes *= factor
+        self.linear_rounds *= factor
+        self.linear_tokens *= factor
+        self.linear_nodes *= factor
+
+    def observe_linear(self, tokens: int, nodes: int) -> None:
+        """One round that verified the linear draft (`nodes` of it; more with it): `tokens` it would have yielded."""
+        self.linear_rounds += 1
+        self.linear_tokens += tokens
+        self.linear_nodes += nodes
 
     def acceptance(self) -> np.ndarray:
         """[D, R] a[d][r] (rows rescaled to sum <= 1: ranks asked different numbers of times)."""
@@ -337,6 +372,13 @@ class AcceptanceProfile:
     def fill(self) -> np.ndarray:
         """[D, R] f[d][r]: P(the drafter offers the rank-r child of a drafted depth-d node)."""
         return np.minimum(1.0, self.drafted / (self.present + PROFILE_PRIOR))
+
+    @property
+    def linear_yield(self) -> tuple[float, float]:
+        """(tokens per round, nodes per round) of the linear draft; (nan, nan) while under MIN_FULL_ROUNDS."""
+        if self.linear_rounds < MIN_FULL_ROUNDS:
+            return math.nan, math.nan
+        return self.linear_tokens / self.linear_rounds, self.linear_nodes / self.linear_rounds
 
     @property
     def full_yield(self) -> tuple[float, float]:
@@ -556,12 +598,15 @@ class OnlinePolicy:
         score_gate: also drop, request by request, the nodes whose calibrated acceptance is below the
             marginal row's break-even (deterministic and greedy trees with scores; see the module docstring).
         max_depth: deepest tree planned (default min(max_nodes, MAX_DEPTH)).
+        first_replan: the first periodic re-plan comes after this many steps, each next one after twice as many,
+            up to `replan_every` (None: every `replan_every` steps from the start).
         sync: called at every re-plan with (plans, decisions, drifted, changes) on every tensor-parallel rank,
             returns rank 0's: all ranks must draft the same trees (their timings differ).
     """
 
     def __init__(self, max_nodes: int, *, replan_every: int = 256, explore_every: int = 16,
                  hysteresis: float = 0.05, max_depth: int | None = None, score_gate: bool = True,
+                 first_replan: int | None = FIRST_REPLAN,
                  clock: Callable[[], float] = time.perf_counter, sync: Callable[[tuple], tuple] | None = None) -> None:
         if max_nodes < 1 or replan_every < 1 or explore_every < 2 or hysteresis < 0:
             raise ValueError(f"max_nodes = {max_nodes}, replan_every = {replan_every}, explore_every = "
@@ -570,6 +615,7 @@ class OnlinePolicy:
         self.max_depth = max(1, min(max_nodes, max_depth or MAX_DEPTH))
         self.replan_every, self.explore_every, self.hysteresis = replan_every, explore_every, hysteresis
         self.clock, self.sync = clock, sync
+        self.first_replan = first_replan
         self.score_gate = score_gate
         self.profile = AcceptanceProfile(self.max_depth)
         self.calibration = ScoreCalibration()
@@ -621,9 +667,13 @@ class OnlinePolicy:
     # -- measurements ---------------------------------------------------------
 
     def observe_round(self, batch_size: int, tree: Tree, path: Sequence[int], applied: Plan,
-                      explored: bool, struct=None) -> None:
-        """A verified request-round drafted under `applied` (`full` or a tree; on exploration steps the probe)."""
-        self.profile.observe(tree, path, applied.fanout if applied.kind == "tree" else None, struct)
+                      explored: bool, struct=None, linear: tuple[int, int] | None = None) -> None:
+        """A verified request-round drafted under `applied` (`full`, `linear` or a tree; on exploration steps the
+        probe). `linear`: (tokens, nodes) the drafter's linear draft yielded in it, when the tree held that draft."""
+        if applied.kind != "linear":  # a linear draft says nothing of the ranks it leaves out (probes do)
+            self.profile.observe(tree, path, applied.fanout if applied.kind == "tree" else None, struct)
+        if linear is not None:
+            self.profile.observe_linear(*linear)
         self.rounds_seen += 1
         if not explored:  # the plan's own record
             m = self.measured.setdefault(bucket_of(batch_size), _Measured())
@@ -644,10 +694,12 @@ class OnlinePolicy:
         """Advance the step counter; re-plan every `replan_every` steps. Returns the decisions made."""
         self.steps += 1
         self.steps_since_replan += 1
-        if self.steps_since_replan < self.replan_every and not self._early_replan_due():
+        due = (self.replan_every if self.first_replan is None else
+               min(self.replan_every, self.first_replan << min(self.replans, 16)))
+        if self.steps_since_replan < due and not self._early_replan_due():
             return []
         t0 = self.clock()
-        decisions = self.replan()
+        decisions = self.replan(backoff=self.steps_since_replan >= self.replan_every)
         self.last_replan_ms = (self.clock() - t0) * 1e3
         self.max_replan_ms = max(self.max_replan_ms, self.last_replan_ms)
         return [dataclasses.replace(d, replan_ms=self.last_replan_ms) for d in decisions]
@@ -689,11 +741,14 @@ class OnlinePolicy:
             return 1.0, 0.0
         if plan.kind == "full":
             return self.profile.full_yield
+        if plan.kind == "linear":
+            return self.profile.linear_yield
         # E(S) with a; the expected drafted nodes are the same sum with f (a drafter fills a shape partly)
         return 1.0 + path_sum(plan.shape, a), path_sum(plan.shape, f)
 
-    def replan(self) -> list[Decision]:
-        """Re-plan every measured bucket (deterministic given the measurements)."""
+    def replan(self, backoff: bool = True) -> list[Decision]:
+        """Re-plan every measured bucket (deterministic given the measurements). backoff: a kept plan doubles
+        the exploration period (not on the early, closer re-plans: they still need the probes)."""
         self.steps_since_replan = 0
         self.replans += 1
         decisions: list[Decision] = []
@@ -703,7 +758,7 @@ class OnlinePolicy:
             # step cost does not depend on depth here (the drafter always drafts at the engine's budget),
             # so the best tree of each size (deepest limit) is the whole search space
             trees = candidate_trees(a, self.max_nodes, self.max_depth, every_depth=False)
-            cands = [Plan.of(t) for t, _ in trees] + [FULL, NONE]
+            cands = [Plan.of(t) for t, _ in trees] + [LINEAR, FULL, NONE]
             yields = {p.key: self._yield(p, a, f) for p in cands}
             for b in sorted(self.costs):
                 d = self._replan_bucket(b, cands, yields, a, f, pooled)
@@ -715,8 +770,10 @@ class OnlinePolicy:
         changed = any(d.changed for d in decisions) or self.drifted
         self.drifted = False
         self.measured = {}  # each window measures the plan it ran
-        self.explore_period = (self.explore_every if changed else
-                               min(self.explore_period * 2, self.explore_every * EXPLORE_BACKOFF))
+        if changed:
+            self.explore_period = self.explore_every
+        elif backoff:
+            self.explore_period = min(self.explore_period * 2, self.explore_every * EXPLORE_BACKOFF)
         # forget old measurements, but keep enough to plan on (a `none` plan learns from exploration only)
         if self.profile.rounds * DECAY >= MIN_ROUNDS:
             self.profile.decay(DECAY)
@@ -737,10 +794,11 @@ class OnlinePolicy:
     def _replan_bucket(self, b: int, cands: list[Plan], yields: dict, a, f, pooled) -> Decision | None:
         old = self._current(b)
         old_yield = yields.get(old.key) or self._yield(old, a, f)
-        if old.kind == "full" and math.isnan(old_yield[0]):  # `full` itself too rarely measured: its expectation
-            tokens, nodes = self.profile.full_tokens, self.profile.full_nodes
-            n = max(self.profile.full_rounds, 1e-9)
-            old_yield = (tokens / n, nodes / n) if self.profile.full_rounds > 0 else old_yield
+        if old.kind in ("full", "linear") and math.isnan(old_yield[0]):  # too rarely measured: its expectation
+            pr = self.profile
+            n, tokens, nodes = ((pr.full_rounds, pr.full_tokens, pr.full_nodes) if old.kind == "full" else
+                                (pr.linear_rounds, pr.linear_tokens, pr.linear_nodes))
+            old_yield = (tokens / n, nodes / n) if n > 0 else old_yield
         old_pred = self.predict(old, b, old_yield, pooled)
         if old_pred is None:
             return None
@@ -787,6 +845,26 @@ class _Pending:
     asked: int  # the budget the drafter was given (0: nothing asked, nothing to learn)
     scores: torch.Tensor | None = None  # [N] the verified nodes' drafter scores (None: not calibrated)
     scores_are_probs: bool = False
+    drafted: TreeProposal | None = None  # the drafter's proposal, where the verified tree holds its linear draft
+
+
+def _linear_yield(drafted: TreeProposal, toks: list[int], children: list[list[int]],
+                  new: list[int]) -> tuple[int, int]:
+    """(tokens, nodes) the drafter's linear draft yields in a round whose verified tree (`toks`, `children` by row)
+    holds it, or the part of it a score gate kept, and accepted the drafts `new`.
+
+    The linear draft is a path of the tree: the accepted path follows it while their tokens agree, and leaves it
+    exactly where the linear rule would have rejected (or where the gate ended it), so the common prefix is what
+    the linear draft alone accepts under the same draws."""
+    lin = drafted.tree.tokens[linear_nodes(drafted)].tolist()
+    kept, row = 0, 0
+    for t in lin:  # how much of it the verified tree holds (all of it, unless the gate cut its tail)
+        row = next((c + 1 for c in children[row] if toks[c] == t), 0)
+        if row == 0:
+            break
+        kept += 1
+    agree = next((i for i, (a, b) in enumerate(zip(new, lin)) if a != b), min(len(new), len(lin)))
+    return 1 + min(agree, kept), kept
 
 
 def _read_back(i: int, stride: int, step: int) -> bool:
@@ -840,8 +918,9 @@ class ShapePolicy:
         applied = [probe if e else plan for e in probed]
         asked = [0 if a.kind == "none" else b for a, b in zip(applied, budgets)]
         t0 = pol.clock()
-        out = drafter.propose(list(requests), asked) if requests else []
-        out = [prune_to_shape(p, a) if a.kind == "tree" else p for p, a in zip(out, applied)]
+        drafted = drafter.propose(list(requests), asked) if requests else []
+        out = [prune_to_shape(p, a) if a.kind == "tree" else prune_to_linear(p) if a.kind == "linear" else p
+               for p, a in zip(drafted, applied)]
         gate = pol.gate_for(len(requests))  # a probe is never gated: it calibrates every confidence
         probs = bool(getattr(drafter, "scores_are_probs", False))
         gated = [pol.score_gate and p.scores is not None and p.mode in GATED_MODES for p in out]
@@ -854,9 +933,10 @@ class ShapePolicy:
         self._last_rows = sum(1 + p.num_nodes for p in out)
         self._last_drafted = any(asked)
         self._last_explored = explore
-        for r, p, n, g, a, e in zip(requests, out, asked, gated, applied, probed):
+        for r, p, d, n, g, a, e in zip(requests, out, drafted, asked, gated, applied, probed):
             # confidence is computed for the rounds read back only
-            self._pending[r.req_id] = _Pending(len(r.token_ids), p.tree, a, e, n, p.scores if g else None, probs)
+            self._pending[r.req_id] = _Pending(len(r.token_ids), p.tree, a, e, n, p.scores if g else None, probs,
+                                               d if a.kind in ("full", "linear") else None)
         return out
 
     def _observe(self, req: DraftRequest, batch_size: int, learn: bool = True) -> bool:
@@ -881,7 +961,8 @@ class ShapePolicy:
                 return False  # not this tree's path (the scheduler cut it, or the context was rewritten)
             path.append(nxt)
             row = nxt + 1
-        self.policy.observe_round(batch_size, tree, path, prev.applied, prev.explored, struct)
+        linear = None if prev.drafted is None else _linear_yield(prev.drafted, toks, children, new)
+        self.policy.observe_round(batch_size, tree, path, prev.applied, prev.explored, struct, linear)
         if prev.scores is not None:
             self.policy.calibration.observe(confidence(prev.scores, prev.scores_are_probs), path)
         return True

@@ -50,8 +50,8 @@ def test_plan_changes_while_serving_and_greedy_output_stays(setup, monkeypatch, 
     history = []
     record = online_policy.OnlinePolicy.replan
 
-    def replan(self):
-        decisions = record(self)
+    def replan(self, *args, **kwargs):
+        decisions = record(self, *args, **kwargs)
         history.extend((seen["steps"], str(d.old), str(d.new)) for d in decisions if d.changed)
         return decisions
 

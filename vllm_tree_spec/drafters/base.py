@@ -119,12 +119,18 @@ class TreeProposal:
             path (log q of the path for model drafters, an empirical path
             frequency for suffix / n-gram drafters). Informational: budget
             policies and metrics may read it, verification never does.
+        linear_len: how many leading nodes (0 .. linear_len - 1, a chain from
+            the root) are the draft the drafter's *linear* counterpart would
+            verify (suffix: vLLM's linear `suffix` draft); None: the rank-0 path.
+            The shape policy's `linear` plan keeps exactly those nodes;
+            verification never reads it.
     """
 
     tree: Tree
     mode: Mode
     draft_probs: torch.Tensor | None = None  # [N + 1, V]
     scores: torch.Tensor | None = None  # [N]
+    linear_len: int | None = None
 
     @staticmethod
     def empty(mode: Mode = Mode.DETERMINISTIC) -> "TreeProposal":
@@ -150,6 +156,11 @@ class TreeProposal:
             raise DrafterError(f"tree.tokens holds id {int(tree.tokens.max())} >= vocab_size {vocab_size}")
         if self.scores is not None and tuple(self.scores.shape) != (n,):
             raise DrafterError(f"scores has shape {tuple(self.scores.shape)}; expected [N] = [{n}]")
+        if self.linear_len is not None:
+            k = self.linear_len
+            if not 0 <= k <= n or tree.parents[:k].tolist() != list(range(-1, k - 1)):
+                raise DrafterError(f"linear_len = {k}: the first linear_len nodes must be a chain from the root "
+                                   f"(parents -1, 0, 1, ...) within the {n} nodes; pass None if there is none")
         if self.mode != Mode.SAMPLED:
             # Only i.i.d. children may repeat a token (the sampled rule tests each copy in turn).
             dups = tree.duplicate_siblings()

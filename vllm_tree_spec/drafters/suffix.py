@@ -207,6 +207,7 @@ class SuffixTreeDrafter(TreeDrafter):
                 parents += [p if p < 0 else p + nc for p in branch.parents]
                 tokens += branch.token_ids
                 node_scores += _scores(branch)
+            # the chain's nodes stay first (a topological prefix; a branch node equal to one merges into it)
             tree, scores = canonical_tree(parents, tokens, node_scores, budget)
-            out.append(TreeProposal(tree, mode, scores=scores))
+            out.append(TreeProposal(tree, mode, scores=scores, linear_len=nc))
         return out

@@ -96,5 +96,7 @@ class _Gauges:
     def plan(self, bucket: int, plan: Plan) -> None:
         if plan.kind == "full":
             self.metrics.set(bucket, *self.full_caps, full=True)
+        elif plan.kind == "linear":  # the drafter's linear draft: a chain of at most the node budget
+            self.metrics.set(bucket, self.full_caps[0], self.full_caps[0], 1, full=False)
         else:
             self.metrics.set(bucket, plan.num_nodes, plan.depth, plan.width, full=False)
