@@ -319,20 +319,29 @@ def test_tensor_parallel_ranks_take_the_first_ranks_plans():
 
 
 def test_a_short_load_is_planned_before_the_periodic_replan():
-    """A bucket gets one early re-plan once it has MIN_STEPS clean steps: a load shorter than
-    `replan_every` is still planned (here the periodic re-plan never comes)."""
-    pol = OnlinePolicy(8, replan_every=10_000, explore_every=8, first_replan=None)
+    """A bucket re-plans early at its 8th, 32nd and 128th clean step: a load shorter than `replan_every` is
+    still planned (here the periodic re-plan never comes), and that first plan is revised twice."""
+    pol = OnlinePolicy(8, replan_every=10_000, explore_every=8)
     eng = Engine(pol, ShapeDrafter(wide_shape(4, 2)), [0.8], line(5.0, 0.4)).run(120)
     plan = plan_of(eng)
     assert plan.kind == "tree" and plan.shape.is_chain(), (plan, eng.history)
-    assert pol.replans == 1 and pol.early == {4}, (pol.replans, pol.early)  # once per bucket, not every step
+    assert pol.replans == 2 and pol.early == {4: 2}, (pol.replans, pol.early)  # 8 and 32 clean steps
     eng.run(200)
-    assert pol.replans == 1
+    assert pol.replans == 3 and pol.early == {4: 3}  # 128; then only the periodic re-plans
+
+
+def test_early_steps_passed_in_the_warm_up_count_once():
+    """At batch 1 the 64 warm-up rounds take 64 steps: the 8 and 32 clean-step re-plans are one re-plan."""
+    pol = OnlinePolicy(8, replan_every=10_000, explore_every=8)
+    eng = Engine(pol, ShapeDrafter(wide_shape(4, 2)), [0.8], line(5.0, 0.4), batch=1).run(100)
+    assert pol.replans == 1 and pol.early == {1: 2}, (pol.replans, pol.early)
+    eng.run(100)
+    assert pol.replans == 2 and pol.early == {1: 3}, (pol.replans, pol.early)
 
 
 def test_without_early_replans_the_same_load_keeps_the_full_tree():
     """The negative control of the test above: with the early re-plan disabled the bucket stays `full`."""
-    pol = OnlinePolicy(8, replan_every=10_000, explore_every=8, first_replan=None)
+    pol = OnlinePolicy(8, replan_every=10_000, explore_every=8)
     pol._early_replan_due = lambda: False
     eng = Engine(pol, ShapeDrafter(wide_shape(4, 2)), [0.8], line(5.0, 0.4)).run(120)
     assert plan_of(eng) == FULL and pol.replans == 0
@@ -479,23 +488,3 @@ def test_rows_that_only_cost_settle_on_the_linear_draft():
     pol2 = OnlinePolicy(8, replan_every=64, explore_every=8, score_gate=False)
     eng2 = LinearEngine(pol2, LinearFirstDrafter(6, [0, 1, 4]), None, line(5.0, 0.0)).run(400)
     assert plan_of(eng2) != LINEAR, eng2.history
-
-
-def test_early_replans_come_at_doubling_intervals():
-    """Re-plans at steps 32, 96, 224, then every replan_every; early ones do not back exploration off."""
-    pol = OnlinePolicy(4, replan_every=256, explore_every=16)
-    at = []
-    for _ in range(1000):
-        if pol.end_step() is not None and pol.steps_since_replan == 0:
-            at.append(pol.steps)
-        if pol.steps == 224:
-            assert pol.explore_period == 16  # three early re-plans kept the plan: still the base period
-    assert at == [32, 96, 224, 480, 736, 992], at
-    assert pol.explore_period == 16 * 8  # the periodic ones back it off (x2 each, up to 8x)
-    fixed = OnlinePolicy(4, replan_every=256, explore_every=16, first_replan=None)
-    at = []
-    for _ in range(600):
-        fixed.end_step()
-        if fixed.steps_since_replan == 0:
-            at.append(fixed.steps)
-    assert at == [256, 512]

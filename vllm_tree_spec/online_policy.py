@@ -12,9 +12,9 @@ Both sides of that trade are measured while serving, per drafter:
                          whose rows differ), and the draft ms of steps that
                          drafted / did not draft
 
-Every `replan_every` steps the policy re-plans each bucket, and once, early, as soon as a bucket that was
-never planned has its first MIN_STEPS clean steps (a load that lasts less than `replan_every` steps is
-still planned). Until then a bucket drafts the plan of the nearest planned bucket (the drafter's full tree
+Every `replan_every` steps the policy re-plans each bucket, and early, when a bucket reaches its 8th, 32nd and
+128th clean step (EARLY_STEPS): a load that lasts less than `replan_every` steps is still planned, and a first
+plan, made on few steps, is revised soon after. Until then a bucket drafts the plan of the nearest planned bucket (the drafter's full tree
 when there is none). At a re-plan Sequoia's DP
 (`planner.candidate_trees`) on a[d][r] gives the best tree of every size; each
 is scored as expected tokens per step over predicted step ms,
@@ -24,7 +24,9 @@ is scored as expected tokens per step over predicted step ms,
     ms(S)    = fit(rows(S)) + draft ms         no speculation: fit(B) + draft ms of an empty step
 
 next to `full` (the drafter's own tree at the configured budget, scored on its
-measured tokens per step and nodes) and `none`. The best replaces the
+measured tokens per step and nodes), `linear` (the drafter's linear draft, `TreeProposal.linear_len` or the
+rank-0 path: what the same drafter's linear method verifies; a path of every tree drafted under `full` or
+`linear`, so each of those rounds also measures what it alone would have yielded) and `none`. The best replaces the
 current plan only when it is predicted at least `hysteresis` faster than the
 current plan under the same, new measurements (no flapping between near-equal
 plans). Given the measurements the result is deterministic: fixed iteration
@@ -108,7 +110,7 @@ DRIFT = 0.5  # a plan's measured step ms 50 % off its prediction: the cost has m
 DRIFT_FORGET = 0.1  # then old cost samples keep a tenth of their weight
 EXPLORE_BACKOFF = 8  # the exploration period grows to at most 8 x explore_every
 GATE_EDGES = np.linspace(-12.0, 0.0, 25)  # score-gate bins: log confidence in 0.5-nat steps (below -12: bin 0)
-FIRST_REPLAN = 32  # re-plans come 32, 64, 128, ... steps apart until replan_every: early plans rest on few rounds
+EARLY_STEPS = (MIN_STEPS, 4 * MIN_STEPS, 16 * MIN_STEPS)  # a bucket's clean steps at which it re-plans early
 MIN_GATE_NODES = 256  # drafted nodes calibrated before a bucket gets a gate
 MIN_BIN_NODES = 64  # a bin's counts are not decayed below this
 GATE_QUANTILE = 0.95  # a bin is dropped when even its 95 % upper bound of acceptance is below the break-even
@@ -598,15 +600,12 @@ class OnlinePolicy:
         score_gate: also drop, request by request, the nodes whose calibrated acceptance is below the
             marginal row's break-even (deterministic and greedy trees with scores; see the module docstring).
         max_depth: deepest tree planned (default min(max_nodes, MAX_DEPTH)).
-        first_replan: the first periodic re-plan comes after this many steps, each next one after twice as many,
-            up to `replan_every` (None: every `replan_every` steps from the start).
         sync: called at every re-plan with (plans, decisions, drifted, changes) on every tensor-parallel rank,
             returns rank 0's: all ranks must draft the same trees (their timings differ).
     """
 
     def __init__(self, max_nodes: int, *, replan_every: int = 256, explore_every: int = 16,
                  hysteresis: float = 0.05, max_depth: int | None = None, score_gate: bool = True,
-                 first_replan: int | None = FIRST_REPLAN,
                  clock: Callable[[], float] = time.perf_counter, sync: Callable[[tuple], tuple] | None = None) -> None:
         if max_nodes < 1 or replan_every < 1 or explore_every < 2 or hysteresis < 0:
             raise ValueError(f"max_nodes = {max_nodes}, replan_every = {replan_every}, explore_every = "
@@ -615,14 +614,14 @@ class OnlinePolicy:
         self.max_depth = max(1, min(max_nodes, max_depth or MAX_DEPTH))
         self.replan_every, self.explore_every, self.hysteresis = replan_every, explore_every, hysteresis
         self.clock, self.sync = clock, sync
-        self.first_replan = first_replan
         self.score_gate = score_gate
         self.profile = AcceptanceProfile(self.max_depth)
         self.calibration = ScoreCalibration()
         self.gates: dict[int, float] = {}  # bucket -> log confidence below which nodes are dropped
         self.costs: dict[int, BucketCosts] = {}
         self.plans: dict[int, Plan] = {}  # bucket -> plan (absent: the nearest planned bucket's, else FULL)
-        self.early: set[int] = set()  # buckets that triggered their one early re-plan
+        self.clean_steps: dict[int, int] = {}  # bucket -> clean steps seen (never decayed)
+        self.early: dict[int, int] = {}  # bucket -> early re-plans it triggered (EARLY_STEPS)
         self.measured: dict[int, _Measured] = {}
         self.explore_period = explore_every
         self.drifted = False  # a bucket's cost moved away from its fit in this re-plan
@@ -684,6 +683,7 @@ class OnlinePolicy:
                      explored: bool) -> None:
         """A clean step: `rows` verified in `step_ms` (draft excluded), after `draft_ms` of drafting."""
         b = bucket_of(batch_size)
+        self.clean_steps[b] = self.clean_steps.get(b, 0) + 1
         self.costs.setdefault(b, BucketCosts()).observe(self.steps, batch_size, rows, step_ms, draft_ms, drafted)
         if not explored:
             m = self.measured.setdefault(b, _Measured())
@@ -694,9 +694,7 @@ class OnlinePolicy:
         """Advance the step counter; re-plan every `replan_every` steps. Returns the decisions made."""
         self.steps += 1
         self.steps_since_replan += 1
-        due = (self.replan_every if self.first_replan is None else
-               min(self.replan_every, self.first_replan << min(self.replans, 16)))
-        if self.steps_since_replan < due and not self._early_replan_due():
+        if self.steps_since_replan < self.replan_every and not self._early_replan_due():
             return []
         t0 = self.clock()
         decisions = self.replan(backoff=self.steps_since_replan >= self.replan_every)
@@ -707,14 +705,18 @@ class OnlinePolicy:
     # -- planning -------------------------------------------------------------
 
     def _early_replan_due(self) -> bool:
-        """A never-planned bucket has its first MIN_STEPS clean steps (once per bucket). Clean steps are
-        read from committed tokens, the same on every tensor-parallel rank, so every rank re-plans at the
-        same step."""
+        """A bucket reached its next EARLY_STEPS count of clean steps (8: its first plan; 32 and 128: that plan
+        revised, it rested on few steps). Clean steps are read from committed tokens, the same on every
+        tensor-parallel rank, so every rank re-plans at the same step."""
         if self.rounds_seen < MIN_ROUNDS:
             return False
-        due = [b for b, c in self.costs.items() if b not in self.plans and b not in self.early and c.w >= MIN_STEPS]
-        self.early.update(due)
-        return bool(due)
+        due = False
+        for b in sorted(self.clean_steps):
+            reached = sum(self.clean_steps[b] >= n for n in EARLY_STEPS)
+            if reached > self.early.get(b, 0):  # thresholds passed during the warm-up count once
+                self.early[b] = reached
+                due = True
+        return due
 
     def _pooled_slope(self) -> float | None:
         """ms per row over every bucket's consecutive steps (for buckets whose rows never varied)."""
