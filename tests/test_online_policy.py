@@ -23,6 +23,7 @@ from vllm_tree_spec.online_policy import (
     NONE,
     OBSERVE_PER_STEP,
     AcceptanceProfile,
+    BucketCosts,
     OnlinePolicy,
     Plan,
     ShapePolicy,
@@ -488,3 +489,20 @@ def test_rows_that_only_cost_settle_on_the_linear_draft():
     pol2 = OnlinePolicy(8, replan_every=64, explore_every=8, score_gate=False)
     eng2 = LinearEngine(pol2, LinearFirstDrafter(6, [0, 1, 4]), None, line(5.0, 0.0)).run(400)
     assert plan_of(eng2) != LINEAR, eng2.history
+
+
+def test_an_unproven_slope_leans_to_cheap_rows():
+    """Steps whose rows barely vary (27 / 29) say little about the cost of a row: the fitted slope starts
+    shrunk toward 0 (a `none` plan's 4 rows are not extrapolated from it as if it were sure) and reaches the
+    true 5 ms per row as such steps accumulate."""
+    c = BucketCosts()
+    for i in range(8):
+        rows = 27 + 2 * (i % 2)
+        c.observe(i, 4, rows, 50.0 + 5.0 * rows, 0.0, True)
+    level, slope = c.line(None)
+    assert 1.0 < slope < 2.5, slope  # 7 pairs of 2 rows: half the evidence of the prior
+    assert level + slope * 4 > 50.0 + 5.0 * 4 + 30, (level, slope)  # `none` is not predicted at its true 70 ms yet
+    for i in range(8, 400):
+        rows = 27 + 2 * (i % 2)
+        c.observe(i, 4, rows, 50.0 + 5.0 * rows, 0.0, True)
+    assert 4.8 < c.line(None)[1] <= 5.0

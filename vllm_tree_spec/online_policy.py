@@ -105,6 +105,7 @@ MIN_FULL_ROUNDS = 16  # unpruned rounds before `full` is scored on its measured 
 OBSERVE_PER_STEP = 8  # request-rounds a step learns from (rotating): bounds the policy's per-step Python
 MIN_PAIRS = 32  # consecutive step pairs kept for the slope (exploration makes them sparse)
 MIN_STEPS = 8  # clean steps in a bucket before it is planned
+SLOPE_PRIOR = 32.0  # the slope is shrunk toward 0 ms per row as if 32 squared row differences had shown no cost
 OUTLIER = 4.0  # a step slower than 4x the fitted line is not a cost sample (GC, swap, a stall)
 DRIFT = 0.5  # a plan's measured step ms 50 % off its prediction: the cost has moved
 DRIFT_FORGET = 0.1  # then old cost samples keep a tenth of their weight
@@ -455,8 +456,12 @@ class BucketCosts:
     """One batch-size bucket: step ms (draft excluded) against rows verified, as decayed sums.
 
     The slope (ms per row) comes from consecutive steps whose rows differ (first differences:
-    sum dx * dy / sum dx^2), so a slow drift of the whole step cost (longer contexts, other load on the
-    machine) does not leak into it; the level is the decayed mean step at the mean rows.
+    sum dx * dy / (sum dx^2 + SLOPE_PRIOR)), so a slow drift of the whole step cost (longer contexts, other
+    load on the machine) does not leak into it; the level is the decayed mean step at the mean rows. The
+    prior matters while the rows have barely varied (a bucket's first steps, all drafting the same trees):
+    there a noisy slope, extrapolated to the rows of a much smaller plan, predicted `none` at 36 ms per step
+    where it took 55; with the prior an unproven slope leans to "rows are cheap", the side of speculating,
+    until steps of different rows show otherwise.
     """
 
     w: float = 0.0
@@ -506,7 +511,7 @@ class BucketCosts:
         if self.w <= 0:
             return None
         if self.sdxx > 0:
-            slope = self.sdxy / self.sdxx
+            slope = self.sdxy / (self.sdxx + SLOPE_PRIOR)
         elif pooled_slope is not None:
             slope = pooled_slope
         else:
@@ -722,7 +727,7 @@ class OnlinePolicy:
         """ms per row over every bucket's consecutive steps (for buckets whose rows never varied)."""
         dxx = sum(self.costs[b].sdxx for b in sorted(self.costs))
         dxy = sum(self.costs[b].sdxy for b in sorted(self.costs))
-        return dxy / dxx if dxx > 0 else None
+        return dxy / (dxx + SLOPE_PRIOR) if dxx > 0 else None
 
     def predict(self, plan: Plan, bucket: int, yield_: tuple[float, float],
                 pooled: float | None) -> Prediction | None:
