@@ -14,8 +14,8 @@ Both sides of that trade are measured while serving, per drafter:
 
 Every `replan_every` steps the policy re-plans each bucket, and early, when a bucket reaches its 8th, 32nd and
 128th clean step (EARLY_STEPS): a load that lasts less than `replan_every` steps is still planned, and a first
-plan, made on few steps, is revised soon after. Until then a bucket drafts the plan of the nearest planned bucket (the drafter's full tree
-when there is none). At a re-plan Sequoia's DP
+plan, made on few steps, is revised soon after. Until its first plan a bucket drafts the plan of the nearest
+planned bucket (the drafter's full tree when there is none). At a re-plan Sequoia's DP
 (`planner.candidate_trees`) on a[d][r] gives the best tree of every size; each
 is scored as expected tokens per step over predicted step ms,
 
@@ -862,7 +862,8 @@ def _linear_yield(drafted: TreeProposal, toks: list[int], children: list[list[in
 
     The linear draft is a path of the tree: the accepted path follows it while their tokens agree, and leaves it
     exactly where the linear rule would have rejected (or where the gate ended it), so the common prefix is what
-    the linear draft alone accepts under the same draws."""
+    the linear draft alone accepts under the same draws (exact for the greedy and deterministic rules; for
+    sampled trees, whose rule at a node depends on all its children, an estimate)."""
     lin = drafted.tree.tokens[linear_nodes(drafted)].tolist()
     kept, row = 0, 0
     for t in lin:  # how much of it the verified tree holds (all of it, unless the gate cut its tail)

@@ -18,6 +18,13 @@ Rows per step = 1 + drafted nodes (the verify rows before any gate). This measur
 served engine adds the online policy's score gate, which drops low-frequency nodes where rows cost
 (docs/benchmarks.md section 3.9 has both).
 
+`--gate-sweep` adds what the score gate can make of these drafts: the tree and its linear draft (the shape
+policy's `linear` plan), each gated at confidence thresholds with the engine's own functions
+(`online_policy.gate_by_confidence`, `prune_to_linear`), all counted at the same steps (the tree's walk), and,
+for a step cost line `--cost-line C0,S,B` (ms per step = C0 + S x B x rows per request), each one's tokens per
+ms against the ungated linear draft's. A model, not a measurement:
+it bounds what any pruning of these drafts gains where a verify row costs S ms.
+
     .venv/bin/python benchmarks/step/suffix_replay.py --prompts 96 --max-tokens 128 --budgets 4,6,8 \\
         --out runs/step/suffix_replay          # ~2 min on 2 cores (generation), the replay seconds
 """
@@ -79,7 +86,8 @@ class LinearSuffix:
         self.cache.stop_request(rid)
 
     def draft(self, rid, ctx, budget) -> tuple[list[int], list[int]]:
-        d = self.cache.speculate(rid, ctx[-DEFAULT_MAX_TREE_DEPTH:], max_spec_tokens=budget, use_tree_spec=False, **self.caps)
+        d = self.cache.speculate(rid, ctx[-DEFAULT_MAX_TREE_DEPTH:], max_spec_tokens=budget, use_tree_spec=False,
+                                 **self.caps)
         return list(range(-1, len(d.token_ids) - 1)), list(d.token_ids)
 
 
@@ -125,6 +133,42 @@ def accepted(parents: list[int], tokens: list[int], target: list[int]) -> int:
     return n
 
 
+def gate_sweep(data: list[dict], budget: int, thresholds: list[float]) -> dict:
+    """{(variant, threshold): [steps, tokens, rows]} for the tree and its linear draft gated at each threshold.
+
+    The walk commits what the ungated tree accepts (the output is the same under greedy decoding whatever
+    the draft); each variant counts what it would have accepted at that step.
+    """
+    import math
+
+    from vllm_tree_spec.drafters.base import DraftRequest
+    from vllm_tree_spec.drafters.suffix import SuffixTreeDrafter
+    from vllm_tree_spec.online_policy import confidence, gate_by_confidence, prune_to_linear
+
+    d, out = SuffixTreeDrafter(), {}
+    for i, rec in enumerate(data):
+        prompt, target = rec["prompt"], rec["output"]
+        d.start_request(i, prompt)
+        ctx, pos = list(prompt) + target[:1], 1
+        while pos < len(target):
+            (p,) = d.propose([DraftRequest(i, ctx, temperature=0.0)], [budget])
+            rest = target[pos:]
+            for name, base in (("tree", p), ("linear", prune_to_linear(p))):
+                conf = confidence(base.scores, True)
+                for t in thresholds:
+                    g = gate_by_confidence(base, conf, math.log(t)) if t > 0 else base
+                    par, tok = g.tree.parents.tolist(), g.tree.tokens.tolist()
+                    c = out.setdefault((name, t), [0, 0, 0])  # steps, tokens, rows
+                    c[0] += 1
+                    c[1] += min(accepted(par, tok, rest) + 1, len(rest))
+                    c[2] += 1 + len(tok)
+            gained = min(accepted(p.tree.parents.tolist(), p.tree.tokens.tolist(), rest) + 1, len(rest))
+            ctx += target[pos:pos + gained]
+            pos += gained
+        d.finish_request(i)
+    return out
+
+
 def replay(data: list[dict], make, budget: int) -> dict:
     drafter = make()
     steps = tokens = rows = drafted = 0
@@ -153,6 +197,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="4,6,8")
     ap.add_argument("--datasets", default="sharegpt,humaneval,math")
     ap.add_argument("--outputs", help="greedy outputs JSON to reuse (written there when missing)")
+    ap.add_argument("--gate-sweep", default=None, help="confidence thresholds, e.g. 0,0.1,0.223,0.3,0.368")
+    ap.add_argument("--cost-line", default="40,4.6,4", help="C0,S,B: ms per step = C0 + S x B x rows per request")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     out = Path(args.out)
@@ -173,10 +219,26 @@ def main() -> None:
             results.append(r)
             lines.append(f"| {budget} | {name} | {r['tok_per_step']:.3f} | {r['tok_per_step'] / base:.3f}x | "
                          f"{r['rows_per_step']:.2f} | {r['drafted_share']:.2f} |")
+    sweep = []
+    if args.gate_sweep:
+        c0, s, b = map(float, args.cost_line.split(","))
+        lines += ["", f"Gate sweep (cost line {c0:g} + {s:g} x {b:g} x rows ms per step):", "",
+                  "| budget | drafts | gate | tok/step | rows/step | tok/ms vs linear |", "|---|---|---|---|---|---|"]
+        for budget in map(int, args.budgets.split(",")):
+            # the baseline is the ungated linear draft on the same walk (the steps of the tree's walk)
+            counts = gate_sweep(data, budget, sorted({0.0, *map(float, args.gate_sweep.split(","))}))
+            n, tok, rows = counts[("linear", 0.0)]
+            rate0 = (tok / n) / (c0 + s * b * rows / n)
+            for (name, t), (n, tok, rows) in counts.items():
+                rate = (tok / n) / (c0 + s * b * rows / n)
+                sweep.append(dict(budget=budget, drafts=name, gate=t, tok_per_step=tok / n, rows_per_step=rows / n,
+                                  rate_vs_linear=rate / rate0))
+                lines.append(f"| {budget} | {name} | {t:g} | {tok / n:.3f} | {rows / n:.2f} | {rate / rate0:.3f}x |")
     report = "\n".join(lines)
     print(report)
-    meta = dict(prompts=len(data), output_tokens=sum(len(d["output"]) for d in data), max_tokens=args.max_tokens)
-    (out / "summary.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
+    meta = dict(prompts=len(data), output_tokens=sum(len(d["output"]) for d in data), max_tokens=args.max_tokens,
+                cost_line=args.cost_line if args.gate_sweep else None)
+    (out / "summary.json").write_text(json.dumps(dict(meta=meta, results=results, gate_sweep=sweep), indent=1))
     (out / "report.md").write_text(report + "\n")
 
 

@@ -37,3 +37,18 @@ def test_replay_counts_every_output_token_once_and_the_tree_contains_the_chain()
     assert res["tree"]["steps"] <= res["linear"]["steps"]
     assert res["tree"]["rows_per_step"] >= res["tree-capped"]["rows_per_step"]
     assert res["linear"]["tok_per_step"] > 1.5  # a periodic text is drafted
+
+
+def test_gate_sweep_counts_the_tree_and_its_linear_draft_under_each_gate():
+    period = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    data = [dict(prompt=period * 2 + [7], output=(period * 5)[:37])]
+    sweep = replay_mod.gate_sweep(data, 6, [0.0, 0.5, 1.01])
+    steps = {v[0] for v in sweep.values()}
+    assert len(steps) == 1  # every variant is counted at every step of the same walk
+    (n,) = steps
+    for name in ("tree", "linear"):
+        free, half, shut = sweep[(name, 0.0)], sweep[(name, 0.5)], sweep[(name, 1.01)]
+        assert free[1] >= half[1] >= shut[1] == n  # a stricter gate accepts no more; above every score: no drafts
+        assert free[2] >= half[2] >= shut[2] == n  # and verifies no more rows (1 a step at least)
+    assert sweep[("tree", 0.0)][1] >= sweep[("linear", 0.0)][1]  # the tree holds its linear draft
+    assert sweep[("linear", 0.0)][1] > n  # the periodic text is drafted and accepted
