@@ -374,6 +374,7 @@ class LinearFirstDrafter(TreeDrafter):
 
     def _propose(self, requests, budgets):
         out = []
+        self.hints = [r.linear_only for r in requests]
         for r, b in zip(requests, budgets):
             parents = list(range(-1, self.depth - 1)) + list(range(-1, self.depth - 1))  # chain, then siblings
             parents = parents[:b]
@@ -484,6 +485,12 @@ def test_rows_that_only_cost_settle_on_the_linear_draft():
     eng = LinearEngine(pol, LinearFirstDrafter(6, [0, 1, 4]), None, line(5.0, 2.0)).run(400)
     assert plan_of(eng) == LINEAR, eng.history
     assert ("linear" in [h[1] for h in eng.history])
+    # under `linear` the drafter is told that only the linear draft is verified, except on a probe
+    seen = set()
+    for _ in range(2 * pol.explore_period):
+        eng.step()
+        seen.add(tuple(eng.drafter.hints))
+    assert (True,) * 4 in seen and any(not all(h) for h in seen), seen  # plan steps and probe steps
     # the negative control: where rows are free the longer chain is no worse and the policy has no reason to
     # leave the drafter's own tree for its linear draft
     pol2 = OnlinePolicy(8, replan_every=64, explore_every=8, score_gate=False)

@@ -926,7 +926,11 @@ class ShapePolicy:
         applied = [probe if e else plan for e in probed]
         asked = [0 if a.kind == "none" else b for a, b in zip(applied, budgets)]
         t0 = pol.clock()
-        drafted = drafter.propose(list(requests), asked) if requests else []
+        # a request that will verify the linear draft alone says so: the drafter may skip the rest (the suffix
+        # drafter its second library call)
+        requests = [dataclasses.replace(r, linear_only=True) if a.kind == "linear" else r
+                    for r, a in zip(requests, applied)]
+        drafted = drafter.propose(requests, asked) if requests else []
         out = [prune_to_shape(p, a) if a.kind == "tree" else prune_to_linear(p) if a.kind == "linear" else p
                for p, a in zip(drafted, applied)]
         gate = pol.gate_for(len(requests))  # a probe is never gated: it calibrates every confidence

@@ -194,6 +194,10 @@ def test_linear_caps_cap_the_chain_and_the_branches_spend_the_budget():
     assert p.tree.parents.tolist()[:nc] == list(range(-1, nc - 1))
     assert nc < p.num_nodes <= budget  # ... which the branches spend
     assert (11,) in _paths(p.tree) and (6, 7, 8, 4, 5) in _paths(p.tree)  # a sibling and a deeper continuation
+    assert p.linear_len == nc  # the linear draft is marked for the shape policy's `linear` plan
+    # a request that will verify the linear draft alone (`linear` plan): the chain, without the branch call
+    (lin,) = d.propose([DraftRequest("a", ctx, linear_only=True)], [budget])
+    assert lin.tree.tokens.tolist() == list(chain.token_ids) and lin.linear_len == lin.num_nodes == nc
     # branches off ("tree": "chain:K"): exactly the linear draft
     c = SuffixTreeDrafter(branches=False)
     c.start_request("a", PROMPT)

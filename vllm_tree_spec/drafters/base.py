@@ -80,11 +80,15 @@ class DraftRequest:
             is the tree root. Any int sequence (list, tuple, 1-D tensor or array).
         temperature: the request's sampling temperature (0 = greedy). Lets a
             drafter pick its verification mode and a sampling drafter its q.
+        linear_only: a hint: only the proposal's linear draft will be verified
+            (the shape policy's `linear` plan), so a drafter may skip drafting
+            the rest. The proposal stays valid either way.
     """
 
     req_id: Hashable
     token_ids: Sequence[int]  # [L]
     temperature: float = 1.0
+    linear_only: bool = False
 
     def __post_init__(self) -> None:
         if len(self.token_ids) == 0:

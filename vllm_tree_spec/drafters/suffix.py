@@ -198,7 +198,7 @@ class SuffixTreeDrafter(TreeDrafter):
                                          min_token_prob=self.min_token_prob)
             nc = len(chain.token_ids)
             parents, tokens, node_scores = list(range(-1, nc - 1)), list(chain.token_ids), _scores(chain)
-            if self.branches:
+            if self.branches and not req.linear_only:  # (a `linear` plan verifies the chain alone)
                 # a match is >= 1 token, so a factor of `budget` leaves the budget as the only cap
                 factor = float(budget) if self.branch_spec_factor is None else self.branch_spec_factor
                 branch = self.cache.speculate(req.req_id, context, use_tree_spec=True, max_spec_tokens=budget,
