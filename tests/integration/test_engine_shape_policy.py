@@ -122,3 +122,17 @@ def test_tensor_parallel_ranks_share_the_plan(tiny_models, monkeypatch):
     run = run_engine(model, prompts, params, {**AUTO, "replan_every": 8, "explore_every": 2},
                      tensor_parallel_size=2, distributed_executor_backend="mp")
     compare_greedy(base.outputs, run.outputs, raw, None)
+
+
+@pytest.mark.vllm
+def test_the_linear_plan_serves_identically(setup, monkeypatch):
+    """Every bucket on `linear` from the first step (the suffix drafter drafts its chain alone, the branch call
+    skipped; exploration steps still draft the full tree): greedy output equals no speculation, and the linear
+    drafts are verified and accepted."""
+    from vllm_tree_spec import online_policy
+
+    model, raw, prompts, params, base = setup
+    monkeypatch.setattr(online_policy.OnlinePolicy, "_current", lambda self, bucket: online_policy.LINEAR)
+    run = run_engine(model, prompts, params, {**AUTO, "drafter": "suffix"}, max_num_seqs=4)
+    compare_greedy(base.outputs, run.outputs, raw, TieChecker(model))
+    assert run.tree_stats["rounds"] > 0 and run.tree_stats["accepted"] > 0, run.tree_stats
