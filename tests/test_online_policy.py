@@ -280,7 +280,7 @@ def test_profile_counts_asked_ranks_only():
     wide = Tree(torch.tensor([-1, -1, 0]), torch.tensor([5, 6, 7]))
     prof.observe(wide, [1], None)  # unpruned: every rank up to MAX_RANK was asked
     assert prof.accepted[0, 1] == 1 and prof.reached[0, 7] == 1 and prof.reached[1, 0] == 2
-    assert prof.drafted[0, :2].tolist() == [2, 1] and prof.full_rounds == 1 and prof.full_tokens == 2
+    assert prof.drafted[0, :2].tolist() == [2, 1] and prof.full.rounds == 1 and prof.full.tokens == 2
 
 
 def test_prune_to_shape_keeps_rank_paths_in_order():

@@ -289,8 +289,34 @@ def _keep_nodes(proposal: TreeProposal, keep: list[int]) -> TreeProposal:
 
 
 @dataclass
+class Yield:
+    """Decayed rounds, tokens (bonus included) and nodes of one plan drafted as a whole (`full`, `linear`)."""
+
+    rounds: float = 0.0
+    tokens: float = 0.0
+    nodes: float = 0.0
+
+    def add(self, tokens: int, nodes: int) -> None:
+        self.rounds += 1
+        self.tokens += tokens
+        self.nodes += nodes
+
+    def decay(self, factor: float) -> None:
+        self.rounds *= factor
+        self.tokens *= factor
+        self.nodes *= factor
+
+    def mean(self, min_rounds: float = MIN_FULL_ROUNDS) -> tuple[float, float]:
+        """(tokens per round, nodes per round); (nan, nan) under min_rounds (a few rounds are too noisy to
+        switch on) or with no rounds."""
+        if self.rounds < min_rounds or self.rounds <= 0:
+            return math.nan, math.nan
+        return self.tokens / self.rounds, self.nodes / self.rounds
+
+
+@dataclass
 class AcceptanceProfile:
-    """Decayed counts by (depth, sibling rank): asked, drafted, accepted; and the unpruned tree's yield.
+    """Decayed counts by (depth, sibling rank): asked, drafted, accepted; and the yields of `full` and `linear`.
 
     `asked[d, r]` counts rank-r child slots below a depth-d node that the step asked the drafter for
     (the plan's fan-out there, MAX_RANK when unpruned): at reached nodes for `accepted`, at drafted
@@ -303,12 +329,8 @@ class AcceptanceProfile:
     present: np.ndarray = None  # [D, R] asked slots below drafted nodes
     drafted: np.ndarray = None  # [D, R]
     rounds: float = 0.0
-    full_rounds: float = 0.0  # unpruned rounds: the `full` plan's measured yield
-    full_tokens: float = 0.0  # tokens per round summed, bonus included
-    full_nodes: float = 0.0
-    linear_rounds: float = 0.0  # rounds whose verified tree held the linear draft: what it would have yielded
-    linear_tokens: float = 0.0
-    linear_nodes: float = 0.0
+    full: Yield = field(default_factory=Yield)  # unpruned rounds
+    linear: Yield = field(default_factory=Yield)  # rounds whose verified tree held the linear draft: its yield
 
     def __post_init__(self) -> None:
         shape = (self.max_depth, MAX_RANK)
@@ -345,26 +367,14 @@ class AcceptanceProfile:
                 row = path[d] + 1
         self.rounds += 1
         if asked is None:
-            self.full_rounds += 1
-            self.full_tokens += 1 + len(path)
-            self.full_nodes += tree.num_nodes
+            self.full.add(1 + len(path), tree.num_nodes)
 
     def decay(self, factor: float) -> None:
         for name in ("reached", "accepted", "present", "drafted"):
             getattr(self, name)[...] *= factor
         self.rounds *= factor
-        self.full_rounds *= factor
-        self.full_tokens *= factor
-        self.full_nodes *= factor
-        self.linear_rounds *= factor
-        self.linear_tokens *= factor
-        self.linear_nodes *= factor
-
-    def observe_linear(self, tokens: int, nodes: int) -> None:
-        """One round that verified the linear draft (`nodes` of it; more with it): `tokens` it would have yielded."""
-        self.linear_rounds += 1
-        self.linear_tokens += tokens
-        self.linear_nodes += nodes
+        self.full.decay(factor)
+        self.linear.decay(factor)
 
     def acceptance(self) -> np.ndarray:
         """[D, R] a[d][r] (rows rescaled to sum <= 1: ranks asked different numbers of times)."""
@@ -376,19 +386,6 @@ class AcceptanceProfile:
         """[D, R] f[d][r]: P(the drafter offers the rank-r child of a drafted depth-d node)."""
         return np.minimum(1.0, self.drafted / (self.present + PROFILE_PRIOR))
 
-    @property
-    def linear_yield(self) -> tuple[float, float]:
-        """(tokens per round, nodes per round) of the linear draft; (nan, nan) while under MIN_FULL_ROUNDS."""
-        if self.linear_rounds < MIN_FULL_ROUNDS:
-            return math.nan, math.nan
-        return self.linear_tokens / self.linear_rounds, self.linear_nodes / self.linear_rounds
-
-    @property
-    def full_yield(self) -> tuple[float, float]:
-        """(tokens per round, nodes per round) of the unpruned tree; (nan, nan) while under MIN_FULL_ROUNDS."""
-        if self.full_rounds < MIN_FULL_ROUNDS:  # a few exploration rounds are too noisy to switch on
-            return math.nan, math.nan
-        return self.full_tokens / self.full_rounds, self.full_nodes / self.full_rounds
 
 
 @dataclass
@@ -677,7 +674,7 @@ class OnlinePolicy:
         if applied.kind != "linear":  # a linear draft says nothing of the ranks it leaves out (probes do)
             self.profile.observe(tree, path, applied.fanout if applied.kind == "tree" else None, struct)
         if linear is not None:
-            self.profile.observe_linear(*linear)
+            self.profile.linear.add(*linear)
         self.rounds_seen += 1
         if not explored:  # the plan's own record
             m = self.measured.setdefault(bucket_of(batch_size), _Measured())
@@ -746,10 +743,8 @@ class OnlinePolicy:
     def _yield(self, plan: Plan, a: np.ndarray, f: np.ndarray) -> tuple[float, float]:
         if plan.kind == "none":
             return 1.0, 0.0
-        if plan.kind == "full":
-            return self.profile.full_yield
-        if plan.kind == "linear":
-            return self.profile.linear_yield
+        if plan.kind in ("full", "linear"):
+            return getattr(self.profile, plan.kind).mean()
         # E(S) with a; the expected drafted nodes are the same sum with f (a drafter fills a shape partly)
         return 1.0 + path_sum(plan.shape, a), path_sum(plan.shape, f)
 
@@ -802,10 +797,7 @@ class OnlinePolicy:
         old = self._current(b)
         old_yield = yields.get(old.key) or self._yield(old, a, f)
         if old.kind in ("full", "linear") and math.isnan(old_yield[0]):  # too rarely measured: its expectation
-            pr = self.profile
-            n, tokens, nodes = ((pr.full_rounds, pr.full_tokens, pr.full_nodes) if old.kind == "full" else
-                                (pr.linear_rounds, pr.linear_tokens, pr.linear_nodes))
-            old_yield = (tokens / n, nodes / n) if n > 0 else old_yield
+            old_yield = getattr(self.profile, old.kind).mean(min_rounds=0)
         old_pred = self.predict(old, b, old_yield, pooled)
         if old_pred is None:
             return None
