@@ -513,3 +513,83 @@ def test_an_unproven_slope_leans_to_cheap_rows():
         rows = 27 + 2 * (i % 2)
         c.observe(i, 4, rows, 50.0 + 5.0 * rows, 0.0, True)
     assert 4.8 < c.line(None)[1] <= 5.0
+
+
+def _concave(draftless_ms: float, spec_ms: float, row_ms: float):
+    """A step that costs `draftless_ms` with the root rows alone and `spec_ms` + row_ms per row past 7 per
+    request once it verifies drafts: the slope between speculating steps says nothing of the draftless step."""
+    return lambda batch, rows: draftless_ms if rows <= batch else spec_ms + row_ms * (rows - 7 * batch)
+
+
+def test_none_is_priced_from_measured_draftless_steps():
+    """Speculating steps cost 180-200 ms whatever their rows, a draftless one 70: `none` is 1.4x faster than any
+    tree, but the line through the speculating steps, extrapolated to the root rows, prices it at ~170 ms. The
+    policy's draftless probes measure it, and it switches speculation off; without the probes it does not
+    (negative control)."""
+    cost = _concave(70.0, 200.0, 1.0)
+    pol = OnlinePolicy(6, replan_every=64, explore_every=8)
+    eng = Engine(pol, ShapeDrafter(wide_shape(3, 2)), [0.5, 0.1], cost).run(640)
+    assert plan_of(eng) == NONE, eng.history
+    c = pol.costs[4]
+    assert c.none_step() == pytest.approx(70.0, abs=0.5)  # (+ the synthetic engine's 0.2 ms of drafting)
+
+    pol2 = OnlinePolicy(6, replan_every=64, explore_every=8)
+    pol2.none_probe_due = lambda batch_size: False
+    eng2 = Engine(pol2, ShapeDrafter(wide_shape(3, 2)), [0.5, 0.1], cost).run(640)
+    assert plan_of(eng2) != NONE, eng2.history
+    assert pol2.costs[4].none_step() is None
+    level, slope = pol2.costs[4].line(None)
+    assert level + slope * 4 > 120.0, (level, slope)  # what the line alone prices `none` at
+
+
+def test_none_probes_are_few_and_never_on_exploration_steps():
+    """A settled chain plan probes `none` on about two steps per re-plan period (NONE_PROBES, decayed), halfway
+    between exploration steps; a bucket already on `none` is never probed."""
+    pol = OnlinePolicy(8, replan_every=64, explore_every=8)
+    eng = Engine(pol, ShapeDrafter(wide_shape(4, 2)), [0.8], line(5.0, 0.4))
+    seen = {}
+    exploring, due = pol.exploring, pol.none_probe_due
+    pol.exploring = lambda: seen.setdefault("explore", exploring())
+    pol.none_probe_due = lambda b: seen.setdefault("probe", due(b))
+    probes = []
+    for _ in range(1280):
+        seen.clear()
+        eng.step()
+        probe = seen.get("probe", False)
+        assert not (probe and seen["explore"])  # asked only on steps that do not explore
+        probes.append(probe)
+        if probe:  # the step drafted nothing for any request
+            assert not any(eng.drafter.calls[-1]), eng.drafter.calls[-1]
+    assert plan_of(eng).kind == "tree", eng.history
+    late = sum(probes[640:])
+    assert 1 <= late <= 2 * 640 // 64 + 2, late  # ~2 per re-plan period once settled
+    assert pol.none_probes[4] <= 4
+    assert pol.costs[4].none_step() is not None
+
+    off = OnlinePolicy(8, replan_every=64, explore_every=8)
+    eng_off = Engine(off, ShapeDrafter(wide_shape(3, 2)), [0.3, 0.1], line(1.0, 5.0)).run(640)
+    assert plan_of(eng_off) == NONE
+    assert not off.none_probe_due(4)
+    n = off.none_probes.get(4, 0.0)
+    eng_off.run(256)
+    assert off.none_probes.get(4, 0.0) <= n  # no new probe while the plan is `none`
+
+
+def test_probes_stay_off_the_line_and_draftless_steps_count_for_none():
+    """A probe's time prices `none` only; a step that happened to verify no draft is on the line too."""
+    c = BucketCosts()
+    for i in range(16):
+        rows = 24 + 4 * (i % 2)
+        c.observe(i, 4, rows, 100.0 + 2.0 * rows, 0.0, True)
+    before = c.line(None)
+    c.observe(16, 4, 4, 30.0, 0.0, False, draftless=True, probe=True)
+    c.observe(17, 4, 4, 34.0, 0.0, False, draftless=True, probe=True)
+    assert c.line(None) == before and c.w == 16
+    assert c.none_step() == pytest.approx(32.0)
+    c.observe(18, 4, 4, 38.0, 0.0, False, draftless=True)
+    assert c.w == 17 and c.none_step() == pytest.approx(34.0)
+    c.decay(0.5, 0.5)  # old measurements fade: below MIN_NONE_STEPS of weight the line prices `none` again
+    assert c.none_w == pytest.approx(1.5) and c.none_step() is None
+    c.observe(19, 4, 4, 34.0, 0.0, False, draftless=True, probe=True)
+    assert c.none_step() == pytest.approx(34.0)
+    assert BucketCosts().none_step() is None

@@ -21,7 +21,11 @@ is scored as expected tokens per step over predicted step ms,
 
     E(S)     = 1 + sum over nodes v of S of  prod_{u on root->v} a[depth u][rank u]
     rows(S)  = B * (1 + sum over v of prod f[..])          (drafters fill a shape partly)
-    ms(S)    = fit(rows(S)) + draft ms         no speculation: fit(B) + draft ms of an empty step
+    ms(S)    = fit(rows(S)) + draft ms
+    no speculation: the measured draftless steps' ms (fit(B) until there are MIN_NONE_STEPS) + draft ms of an
+             empty step; a bucket whose plan speculates makes a few of its steps draftless to measure it
+             (`none_probe_due`: the line's slope between speculating steps, extrapolated down to the root rows,
+             mispriced `none` by 60 %)
 
 next to `full` (the drafter's own tree at the configured budget, scored on its
 measured tokens per step and nodes), `linear` (the drafter's linear draft, `TreeProposal.linear_len` or the
@@ -114,6 +118,8 @@ GATE_EDGES = np.linspace(-12.0, 0.0, 25)  # score-gate bins: log confidence in 0
 EARLY_STEPS = (MIN_STEPS, 4 * MIN_STEPS, 16 * MIN_STEPS)  # a bucket's clean steps at which it re-plans early
 MIN_GATE_NODES = 256  # drafted nodes calibrated before a bucket gets a gate
 MIN_BIN_NODES = 64  # a bin's counts are not decayed below this
+NONE_PROBES = 4  # draftless steps a bucket measures (decayed count) while its plan speculates
+MIN_NONE_STEPS = 2.0  # measured draftless steps (decayed weight) before `none` is priced from them
 GATE_QUANTILE = 0.95  # a bin is dropped when even its 95 % upper bound of acceptance is below the break-even
 NO_GATE = -math.inf
 
@@ -470,14 +476,25 @@ class BucketCosts:
     sb: float = 0.0  # batch sizes (the bucket's representative batch is their mean)
     draft_ms: list = field(default_factory=lambda: [0.0, 0.0])  # summed draft ms of [empty, drafting] steps
     draft_n: list = field(default_factory=lambda: [0.0, 0.0])
+    none_w: float = 0.0  # steps that verified no draft node (the root rows only): what `none` costs, measured
+    none_ms: float = 0.0
     last: tuple | None = None  # (step index, rows, ms) of the last sample
 
-    def observe(self, step: int, batch: int, rows: int, step_ms: float, draft_ms: float, drafted: bool) -> None:
+    def observe(self, step: int, batch: int, rows: int, step_ms: float, draft_ms: float, drafted: bool,
+                draftless: bool = False, probe: bool = False) -> None:
+        """draftless: the step verified no draft node. probe: a draftless step the policy inserted into a
+        speculating plan to measure `none` (kept off the line: see `none_step`)."""
         if self.w >= MIN_STEPS:
             fit = self.line(None)
             if fit is not None and step_ms > OUTLIER * max(fit[0] + fit[1] * rows, 1e-3):
                 self.last = None
                 return
+        if draftless or probe:
+            self.none_w += 1
+            self.none_ms += step_ms
+        if probe:
+            self.last = None
+            return
         if self.last is not None and self.last[0] == step - 1 and self.last[1] != rows:
             dx, dy = rows - self.last[1], step_ms - self.last[2]
             self.sdxx += dx * dx
@@ -502,6 +519,8 @@ class BucketCosts:
             self.pairs *= slope_factor
         self.draft_ms = [v * factor for v in self.draft_ms]
         self.draft_n = [v * factor for v in self.draft_n]
+        self.none_w *= factor
+        self.none_ms *= factor
 
     def line(self, pooled_slope: float | None) -> tuple[float, float] | None:
         """(intercept ms, ms per row), or None while rows never varied and no pooled slope is known."""
@@ -515,6 +534,13 @@ class BucketCosts:
             return None
         slope = max(0.0, slope)  # more rows never make a step faster; noise can say otherwise
         return (self.sy - slope * self.sx) / self.w, slope
+
+    def none_step(self) -> float | None:
+        """Mean ms of the draftless steps measured here (None: too few). A step's cost is not linear in its
+        rows down to the root rows alone: on CPU a 16-request step of SmolLM2 took 100 ms draftless and 241 ms
+        at ~6 rows a request, where the slope between neighbouring speculating steps, extrapolated, priced the
+        draftless step at over 160 ms, and the policy kept speculating where switching it off was 1.11x faster."""
+        return self.none_ms / self.none_w if self.none_w >= MIN_NONE_STEPS else None
 
     def draft(self, drafted: bool) -> float:
         """Mean draft ms of steps that drafted (True) or not; 0 before any such step."""
@@ -556,6 +582,7 @@ class Decision:
     old_gate: float = NO_GATE  # score gate: log confidence below which nodes are dropped
     new_gate: float = NO_GATE
     tau: float = 0.0  # the break-even acceptance it was set from
+    runner_up: tuple[Plan, Prediction] | None = None  # the best plan not chosen (how close the call was)
 
     @property
     def changed(self) -> bool:
@@ -572,9 +599,14 @@ class Decision:
         o, n = self.old_predicted, self.new_predicted
         gate = (f"; score gate {_gate_text(self.old_gate)} -> {_gate_text(self.new_gate)} (break-even acceptance "
                 f"{self.tau:.3f})" if self.gate_changed else "")
+        alt = ""
+        if self.runner_up is not None:
+            plan, pred = self.runner_up
+            alt = (f"; next best {plan}: {pred.tokens:.2f} tokens/round at {pred.step_ms:.2f} ms/step "
+                   f"({pred.rate * 1e3:.1f} tok/s per request)")
         return (f"Tree shape plan ({drafter}, batch <= {self.bucket}): {self.old} -> {self.new}; predicted "
                 f"{o.tokens:.2f} -> {n.tokens:.2f} tokens/round, {o.step_ms:.2f} -> {n.step_ms:.2f} ms/step "
-                f"({o.rate * 1e3:.0f} -> {n.rate * 1e3:.0f} tok/s per request); measured {meas}{gate}")
+                f"({o.rate * 1e3:.1f} -> {n.rate * 1e3:.1f} tok/s per request); measured {meas}{gate}{alt}")
 
 
 def _gate_text(gate: float) -> str:
@@ -620,6 +652,7 @@ class OnlinePolicy:
         self.profile = AcceptanceProfile(self.max_depth)
         self.calibration = ScoreCalibration()
         self.gates: dict[int, float] = {}  # bucket -> log confidence below which nodes are dropped
+        self.none_probes: dict[int, float] = {}  # bucket -> draftless probe steps measured (decayed)
         self.costs: dict[int, BucketCosts] = {}
         self.plans: dict[int, Plan] = {}  # bucket -> plan (absent: the nearest planned bucket's, else FULL)
         self.clean_steps: dict[int, int] = {}  # bucket -> clean steps seen (never decayed)
@@ -658,6 +691,16 @@ class OnlinePolicy:
         """Whether the current step explores (deterministic: a step counter)."""
         return self.steps % self.explore_period == 0
 
+    def none_probe_due(self, batch_size: int) -> bool:
+        """Whether this step drafts nothing for any request, to measure what `none` costs in the bucket: halfway
+        between exploration steps, while the bucket's plan speculates and it has measured fewer than NONE_PROBES
+        such steps (a decayed count, so about two a re-plan period once settled). Decided from the step counter
+        and clean steps, both read from committed tokens: every tensor-parallel rank probes the same steps."""
+        b = bucket_of(batch_size)
+        if self._current(b).kind == "none" or self.none_probes.get(b, 0.0) >= NONE_PROBES:
+            return False
+        return self.steps % self.explore_period == self.explore_period // 2
+
     def applied(self, plan: Plan, explore: bool) -> Plan:
         """What a step drafts: the plan, or on exploration steps the unpruned tree (which measures every
         rank), or, while the plan is `full`, a rank-0 chain of half the budget (the cost of fewer rows)."""
@@ -682,11 +725,15 @@ class OnlinePolicy:
             m.tokens += 1 + len(path)
 
     def observe_step(self, batch_size: int, rows: int, step_ms: float, draft_ms: float, drafted: bool,
-                     explored: bool) -> None:
-        """A clean step: `rows` verified in `step_ms` (draft excluded), after `draft_ms` of drafting."""
+                     explored: bool, draftless: bool = False, none_probe: bool = False) -> None:
+        """A clean step: `rows` verified in `step_ms` (draft excluded), after `draft_ms` of drafting. draftless:
+        it verified no draft node; none_probe: it was a `none_probe_due` step (explored is then True)."""
         b = bucket_of(batch_size)
         self.clean_steps[b] = self.clean_steps.get(b, 0) + 1
-        self.costs.setdefault(b, BucketCosts()).observe(self.steps, batch_size, rows, step_ms, draft_ms, drafted)
+        self.costs.setdefault(b, BucketCosts()).observe(self.steps, batch_size, rows, step_ms, draft_ms, drafted,
+                                                        draftless, none_probe)
+        if none_probe:
+            self.none_probes[b] = self.none_probes.get(b, 0.0) + 1
         if not explored:
             m = self.measured.setdefault(b, _Measured())
             m.steps += 1
@@ -737,6 +784,8 @@ class OnlinePolicy:
         tokens, nodes = yield_
         if line is None or math.isnan(tokens):
             return None
+        if plan.kind == "none" and c.none_step() is not None:  # measured, not extrapolated
+            return Prediction(tokens, max(1e-3, c.none_step() + c.draft(False)))
         rows = c.batch * (1 + nodes)  # [B] root rows, plus the nodes the drafter fills in
         return Prediction(tokens, max(1e-3, line[0] + line[1] * rows + c.draft(plan.kind != "none")))
 
@@ -783,6 +832,7 @@ class OnlinePolicy:
             self.calibration.decay(DECAY)
         for c in self.costs.values():
             c.decay(DECAY if c.w * DECAY >= 4 * MIN_STEPS else 1.0, DECAY)
+        self.none_probes = {b: n * DECAY for b, n in self.none_probes.items()}
         return decisions
 
     def _break_even(self, b: int, plan: Plan, pred: Prediction, pooled: float | None) -> float:
@@ -809,19 +859,25 @@ class OnlinePolicy:
                 self.drifted = True
                 old_pred = self.predict(old, b, old_yield, pooled) or old_pred
         best, best_pred = old, old_pred
+        preds = {old.key: (old, old_pred)}
         for plan in cands:  # candidates are ordered by size: ties keep the smaller tree
             pred = self.predict(plan, b, yields[plan.key], pooled)
-            if pred is not None and pred.rate > best_pred.rate * (1 + 1e-9):
+            if pred is None:
+                continue
+            preds.setdefault(plan.key, (plan, pred))
+            if pred.rate > best_pred.rate * (1 + 1e-9):
                 best, best_pred = plan, pred
         if best.key != old.key and best_pred.rate <= old_pred.rate * (1 + self.hysteresis):
             best, best_pred = old, old_pred  # not enough faster to be worth a switch
+        others = [pp for k, pp in preds.items() if k != best.key]
+        runner_up = max(others, key=lambda pp: pp[1].rate) if others else None  # first of equals: the smaller
         measured = (Prediction(m.tokens / m.rounds if m.rounds else 1.0, m.step_ms / m.steps)
                     if m is not None and m.steps >= 1 else None)
         tau = self._break_even(b, best, best_pred, pooled)
         old_gate = self.gates.get(b, NO_GATE)
         new_gate = self.calibration.gate(tau) if self.score_gate and best.kind != "none" else NO_GATE
         d = Decision(b, old, best, old_pred, best_pred, measured, m.steps if m is not None else 0.0,
-                     old_gate=old_gate, new_gate=new_gate, tau=tau)
+                     old_gate=old_gate, new_gate=new_gate, tau=tau, runner_up=runner_up)
         self.plans[b] = best  # planned from its own measurements now (it no longer borrows a neighbour's)
         self.gates[b] = new_gate
         if d.changed:
@@ -887,6 +943,8 @@ class ShapePolicy:
         self._last_rows = 0
         self._last_drafted = False
         self._last_explored = False
+        self._last_draftless = False
+        self._last_probe_none = False
         self._last_ids: set = set()
 
     def propose(self, drafter, requests: Sequence[DraftRequest], budgets: Sequence[int]) -> list[TreeProposal]:
@@ -904,12 +962,14 @@ class ShapePolicy:
         if clean and self._last_start is not None:
             step_ms = (start - self._last_start) * 1e3 - self._last_draft_ms
             pol.observe_step(len(requests), self._last_rows, step_ms, self._last_draft_ms, self._last_drafted,
-                             self._last_explored)
+                             self._last_explored, self._last_draftless, self._last_probe_none)
         decisions = pol.end_step() if requests else []
         if decisions and self.on_decisions is not None:
             self.on_decisions(decisions)
         explore = pol.exploring()
-        plan = pol.plan_for(len(requests))
+        # between explorations, a step without drafts now and then: `none` is priced from measured steps
+        probe_none = bool(requests) and not explore and pol.none_probe_due(len(requests))
+        plan = NONE if probe_none else pol.plan_for(len(requests))
         # An exploration step probes only the rounds the next step learns from (the same rotation, read after
         # end_step): the other requests draft the plan, so a probe costs at most OBSERVE_PER_STEP requests'
         # extra rows however large the batch.
@@ -936,7 +996,9 @@ class ShapePolicy:
         self._last_ids = ids
         self._last_rows = sum(1 + p.num_nodes for p in out)
         self._last_drafted = any(asked)
-        self._last_explored = explore
+        self._last_explored = explore or probe_none  # neither is the plan's own record
+        self._last_draftless = all(p.num_nodes == 0 for p in out)
+        self._last_probe_none = probe_none
         for r, p, d, n, g, a, e in zip(requests, out, drafted, asked, gated, applied, probed):
             # confidence is computed for the rounds read back only
             self._pending[r.req_id] = _Pending(len(r.token_ids), p.tree, a, e, n, p.scores if g else None, probs,

@@ -10,7 +10,8 @@ same prompt lookup (1..3), D = 6, greedy:
 
 at each batch size (`--batches`, max_num_seqs = batch, all prompts submitted at once). `--engines` also
 takes the default policy (`budgets: "auto"`, score gate on: tree-policy for n-gram, tree-suffix-policy)
-and linear-suffix (vLLM's suffix decoding), the serving benchmark's "never below linear" pairs. The engine's own methods
+and linear-suffix (vLLM's suffix decoding), the serving benchmark's "never below linear" pairs, and `off` (no
+speculation: what the policy's `none` plan costs). The engine's own methods
 are wrapped here, in the benchmark (nothing on the serving path), and timed per engine step, in wall time
 (`time.perf_counter`) and process CPU time (`time.process_time`). Stages, per step:
 
@@ -80,6 +81,7 @@ ENGINES = {
     "tree-policy": {"method": "tree", "drafter": "ngram", "num_speculative_tokens": D, **LOOKUP},
     "tree-suffix-policy": {"method": "tree", "drafter": "suffix", "num_speculative_tokens": D},
     "linear-suffix": {"method": "suffix", "num_speculative_tokens": D},
+    "off": None,  # no speculation: what the policy's `none` plan is measured against
 }
 STAGES = ("draft", "metadata", "attention", "forward", "verify", "commit", "overhead")
 

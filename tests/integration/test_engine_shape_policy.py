@@ -39,12 +39,12 @@ def test_plan_changes_while_serving_and_greedy_output_stays(setup, monkeypatch, 
     seen = {"steps": 0}
     original = online_policy.OnlinePolicy.observe_step
 
-    def synthetic_cost(self, batch_size, rows, step_ms, draft_ms, drafted, explored):
+    def synthetic_cost(self, batch_size, rows, step_ms, draft_ms, drafted, explored, *args, **kwargs):
         # first 60 steps: every row costs 5 ms (no tree pays); then rows are nearly free
         seen["steps"] += 1
         per_row = 5.0 if seen["steps"] <= 60 else 0.01
         return original(self, batch_size, rows, 1.0 + per_row * rows, 0.05 if drafted else 0.0, drafted,
-                        explored)
+                        explored, *args, **kwargs)
 
     monkeypatch.setattr(online_policy.OnlinePolicy, "observe_step", synthetic_cost)
     history = []
