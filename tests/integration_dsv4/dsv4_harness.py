@@ -183,21 +183,29 @@ class OracleTreeDrafter(TreeDrafter):
                       rank), plus wrong subtrees hung from random nodes until the budget is spent
         "two_branch"  two children of the root, each a chain; the true continuation is the second one
                       about half the time
+
+    stops: {prompt: output indices}: the true path of a tree never reaches past one of these, so each of
+    these tokens is chosen by a step's root row (where emulate_amx_flips acts), whatever the step boundaries.
     """
 
     def __init__(self, truth: dict[tuple[int, ...], list[int]], shape: str = "random", seed: int = 0,
-                 vocab: int = 512, p_full: float = 0.5):
+                 vocab: int = 512, p_full: float = 0.5, stops: dict[tuple[int, ...], set[int]] | None = None):
         super().__init__()
         self.truth = truth
         self.shape = shape
         self.rng = random.Random(seed)
         self.vocab = vocab
         self.p_full = p_full
+        self.stops = stops or {}
+        self._cap = 0  # the current tree's longest true path
 
     def _continuation(self, ctx: list[int]) -> list[int]:
         for prompt, out in self.truth.items():
             if len(ctx) >= len(prompt) and tuple(ctx[: len(prompt)]) == prompt:
-                return out[len(ctx) - len(prompt):]
+                k = len(ctx) - len(prompt)  # the output index the root row chooses
+                # accepting j true tokens makes the next root choose k + j + 1: stop at the next stop index
+                self._cap = min((t - k - 1 for t in self.stops.get(prompt, ()) if t > k), default=len(out))
+                return out[k:]
         raise KeyError(f"no known prompt is a prefix of a {len(ctx)}-token context")
 
     def _wrong(self, avoid: set[int]) -> int:
@@ -220,7 +228,7 @@ class OracleTreeDrafter(TreeDrafter):
         return out
 
     def _true_len(self, cont, b):
-        top = min(b, len(cont))
+        top = min(b, len(cont), self._cap)
         return top if self.rng.random() < self.p_full else self.rng.randint(0, top)
 
     def _chain(self, cont, b):
@@ -478,14 +486,15 @@ def record_tree_steps(records: list, snaps: dict | None = None):
 AMX_FLIP = 1 / 64  # the largest margin measured to flip on Intel AMX (docs/testing.md)
 
 
-def emulate_amx_flips(flips: list, max_flips_per_request: int = 1, margin: float = AMX_FLIP):
+def emulate_amx_flips(flips: list, max_flips_per_request: int = 1, margin: float = AMX_FLIP, flip: bool = True):
     """on_llm: make tree steps round near-ties the other way, as Intel AMX's multi-row bf16 GEMMs do.
 
     In every tree step, where the root row's argmax and runner-up are within `margin` the runner-up becomes
     the argmax (at most `max_flips_per_request` times per request). The root row's argmax is always the
     next token, so each flip changes the output at exactly that position (node rows, whose tokens count
     only where accepted, are left alone: a subset of what AMX flips, with an exact record). Records
-    (request index, output index, argmax, runner-up, margin) in `flips`.
+    (request index, output index, argmax, runner-up, margin) in `flips`. With flip=False it only records
+    every such near-tie (a survey: with stops at every output index, every token after the first is a root's).
     """
 
     def on_llm(llm):
@@ -506,12 +515,14 @@ def emulate_amx_flips(flips: list, max_flips_per_request: int = 1, margin: float
                 x[a] = float("-inf")
                 b = int(x.argmax())  # the runner-up
                 gap = v - float(x[b])
-                if gap <= margin:
+                if gap > margin:
+                    continue
+                if flip:
                     logits[row, b] = v
                     logits[row, a] = v - max(abs(v), 1.0) * 2 ** -7  # at least one bf16 step below
                     done[r.req_id] = done.get(r.req_id, 0) + 1
-                    prompt_len = int(rnr.requests[r.req_id].num_prompt_tokens)
-                    flips.append((int(r.req_id.split("-")[0]), r.root_pos + 1 - prompt_len, a, b, gap))
+                prompt_len = int(rnr.requests[r.req_id].num_prompt_tokens)
+                flips.append((int(r.req_id.split("-")[0]), r.root_pos + 1 - prompt_len, a, b, gap))
             return real_tree_sample(rnr, logits, spec_meta, step)
 
         runner_mod.tree_sample = tree_sample
