@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One GPU session for the Triton kernels: the kernel tests compiled for the GPU (not the interpreter),
+# then every kernel benchmark. For a machine with torch + Triton + pytest but no vLLM and no pip
+# install of this project (docs/kernels.md, "GPU numbers").
+#
+#   bash benchmarks/kernels/gpu_check.sh OUT_DIR     # ~6 min on an H200
+#
+# Writes OUT_DIR/{env.txt, kernel-tests.log, bench.log, bench.tgz}; bench.tgz holds run_all's JSON + Markdown.
+set -uo pipefail
+out=${1:?usage: gpu_check.sh OUT_DIR}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+# setuptools installs kernels/ as vllm_tree_spec.kernels (pyproject's package-dir); without an install, a link
+[ -e vllm_tree_spec/kernels ] || ln -s ../kernels vllm_tree_spec/kernels
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  lscpu | grep -E 'Model name|^CPU\(s\)'
+} 2>&1 | tee "$out/env.txt"
+# the CPU C++ kernel's tests need no GPU (CI runs them); everything else here runs compiled on the GPU
+timeout "${TEST_S:-180}" python3 -m pytest -q -p no:cacheprovider tests/kernels \
+  --ignore=tests/kernels/test_cpu_tree_attention_kernel.py 2>&1 | tee "$out/kernel-tests.log"
+timeout "${BENCH_S:-290}" python3 benchmarks/kernels/run_all.py --out "$out/bench" \
+  --time-budget "${BUDGET_S:-80}" 2>&1 | tee "$out/bench.log"
+tar czf "$out/bench.tgz" -C "$out" bench && rm -rf "$out/bench"
