@@ -37,14 +37,20 @@ def _next_pow2(x: int) -> int:
 
 
 def pick_config(head_dim: int, dtype: torch.dtype, group: int, max_query_len: int) -> TreeAttentionConfig:
-    """Heuristic tiles: a tree (<= 64 rows) x G heads in one or a few tiles, K/V tiles that fit SMEM."""
+    """Heuristic tiles: a tree x G heads in tiles of <= 64 (row, head) pairs, K/V tiles that fit SMEM.
+
+    Measured on an H200 (bf16, D 128, G 4; benchmarks/kernels/tune_tree_attention.py): 64 pairs, 64 keys,
+    4 warps, 2 stages was the fastest of 36 configs or within 7 % of it on every workload (batch 1-64,
+    16-64 rows, ctx 1k-8k), and 1.03-1.77x the earlier 128-pair / 8-warp / 3-stage tiles; more programs
+    of smaller tiles fill the 132 SMs better than fewer large ones.
+    """
     head_dim_p = max(16, _next_pow2(head_dim))
     rows_x_heads = group * max(1, max_query_len)
-    block_m = max(16, _next_pow2(group), min(128 if head_dim_p <= 128 else 64, _next_pow2(rows_x_heads)))
+    block_m = max(16, _next_pow2(group), min(64, _next_pow2(rows_x_heads)))
     big = dtype == torch.float32 or head_dim_p > 128
     block_n = 32 if big else 64
     num_warps = 8 if block_m * head_dim_p >= 128 * 128 else 4
-    num_stages = 2 if big else 3
+    num_stages = 2
     return TreeAttentionConfig(block_m, block_n, num_warps, num_stages)
 
 

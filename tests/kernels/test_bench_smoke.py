@@ -31,3 +31,21 @@ def test_run_all_quick(tmp_path, monkeypatch):
     assert "Tree attention benchmark" in (tmp_path / "summary.md").read_text()
     sys.modules.pop("run_all", None)
     sys.modules.pop("bench_tree_attention", None)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="no CUDA device and TRITON_INTERPRET is not 1",
+)
+def test_tile_sweep_quick(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    import tune_tree_attention
+
+    assert tune_tree_attention.main(["--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "tune_tree_attention.json").read_text())
+    (w,) = report["workloads"]
+    assert sum(c["default"] for c in w["configs"]) == 1  # the heuristic's tiles are always timed
+    assert all(c["ok"] for c in w["configs"]), w["configs"]  # every config computes the same attention
+    assert w["best"]["ms"] > 0 and w["speedup"] >= 1.0
+    sys.modules.pop("tune_tree_attention", None)
+    sys.modules.pop("bench_tree_attention", None)
