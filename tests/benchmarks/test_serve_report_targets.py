@@ -31,3 +31,15 @@ def test_issue13_targets():
                       "tree-ngram-D6 vs linear-ngram-D6 @ c4 (median of 3)": (1.05, False)}  # longer rounds: 1.05x
     # chains are not held to the tree-gain targets of the earlier issues
     assert not any("chain" in w for (name, w) in ts if name.startswith(("accepted length", "throughput >=")))
+
+
+def test_window_ratios_read_a_stored_run():
+    import window_ratios
+
+    folder = SERVE / "results" / "2026-12-04-cpu-smollm2" / "protocol-none-probe-suffix"
+    out = window_ratios.lines(folder)
+    assert [ln.split()[1] for ln in out] == ["c1", "c4", "c16", "c64"]
+    # the c = 4 line: the median of its four windows' tok/s ratios, as summary.json's comparison holds it
+    c4 = out[1]
+    windows = [float(w) for w in c4.split("(")[1].split(")")[0].split(", ")]
+    assert len(windows) == 4 and "tok/s 0.957x" in c4 and sorted(windows)[1] <= 0.957 <= sorted(windows)[2]
