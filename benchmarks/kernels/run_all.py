@@ -22,6 +22,19 @@ ROOT = HERE.parents[1]
 BENCHMARKS = ["bench_tree_attention", "bench_verify_commit", "bench_dsv4_tree"]
 
 
+def prepare(quick: bool) -> None:
+    """Before any kernel module is imported (called after argparse, so --help is instant)."""
+    import torch
+
+    if quick and not torch.cuda.is_available():
+        # Must precede the first @triton.jit definition (Triton reads it at decoration time).
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    # Use the checkout's package when it is not pip-installed (e.g. on the GPU machine).
+    for p in (str(ROOT), str(HERE)):
+        if p not in sys.path:
+            sys.path.insert(0, p)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="kernel benchmarks")
     ap.add_argument("--quick", action="store_true", help="tiny sizes; runs on CPU under the Triton interpreter")
@@ -30,16 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget", type=float, default=270.0, help="seconds per benchmark before skipping configs")
     args = ap.parse_args(argv)
 
-    import torch  # noqa: E402  (after argparse so --help is instant)
-
-    if args.quick and not torch.cuda.is_available():
-        # Must precede the first @triton.jit definition (Triton reads it at decoration time).
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    # Use the checkout's package when it is not pip-installed (e.g. on the GPU machine).
-    for p in (str(ROOT), str(HERE)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-
+    prepare(args.quick)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     reports = []

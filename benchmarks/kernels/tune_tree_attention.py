@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -37,13 +36,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget", type=float, default=240.0, help="seconds before skipping the rest")
     args = ap.parse_args(argv)
 
-    import torch
+    sys.path.insert(0, str(HERE))
+    from run_all import prepare
 
-    if args.quick and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    for p in (str(ROOT), str(HERE)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
+    prepare(args.quick)
+    import torch
     from bench_tree_attention import FULL_SHAPE, QUICK_SHAPE, Timer, make_inputs
 
     from vllm_tree_spec.kernels.tree_attention_launch import TreeAttentionConfig, pick_config, tree_attention_triton

@@ -48,4 +48,5 @@ def test_tile_sweep_quick(tmp_path, monkeypatch):
     assert all(c["ok"] for c in w["configs"]), w["configs"]  # every config computes the same attention
     assert w["best"]["ms"] > 0 and w["speedup"] >= 1.0
     sys.modules.pop("tune_tree_attention", None)
+    sys.modules.pop("run_all", None)
     sys.modules.pop("bench_tree_attention", None)
