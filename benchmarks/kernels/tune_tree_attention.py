@@ -1,6 +1,6 @@
 """Tile sweep for the Triton tree-attention kernel: `pick_config`'s tiles vs a grid, per workload.
 
-    python benchmarks/kernels/tune_tree_attention.py --out DIR             # GPU, ~3 min on an H200
+    python benchmarks/kernels/tune_tree_attention.py --out DIR             # GPU, ~4 min on an H200
     python benchmarks/kernels/tune_tree_attention.py --quick --out DIR     # CPU smoke (Triton interpreter)
 
 For each (batch, nodes, context) of Llama-3-8B attention (bench_tree_attention's shape and complete binary
@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     prepare(args.quick)
     import torch
+    import triton
     from bench_tree_attention import FULL_SHAPE, QUICK_SHAPE, Timer, make_inputs
 
     from vllm_tree_spec.kernels.tree_attention_launch import TreeAttentionConfig, pick_config, tree_attention_triton
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({k: entry.get(k) for k in ("batch", "nodes", "context", "default_ms", "speedup", "best")}),
               flush=True)
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
-              "torch": torch.__version__, "triton": __import__("triton").__version__, "mode": mode,
+              "torch": torch.__version__, "triton": triton.__version__, "mode": mode,
               "shape": shape.describe(), "grid": grid, "elapsed_s": time.perf_counter() - t_start,
               "workloads": rows}
     out = Path(args.out)

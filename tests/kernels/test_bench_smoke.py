@@ -13,12 +13,13 @@ import torch
 pytest.importorskip("triton", reason="Triton is not installed")
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"
-
-
-@pytest.mark.skipif(
+runs_kernels = pytest.mark.skipif(
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="no CUDA device and TRITON_INTERPRET is not 1",
 )
+
+
+@runs_kernels
 def test_run_all_quick(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH_DIR))
     import run_all
@@ -33,10 +34,7 @@ def test_run_all_quick(tmp_path, monkeypatch):
     sys.modules.pop("bench_tree_attention", None)
 
 
-@pytest.mark.skipif(
-    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="no CUDA device and TRITON_INTERPRET is not 1",
-)
+@runs_kernels
 def test_tile_sweep_quick(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH_DIR))
     import tune_tree_attention
