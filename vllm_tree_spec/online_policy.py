@@ -83,6 +83,7 @@ the `/metrics` gauges. docs/planner.md section 4 is the user-facing account.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 import time
@@ -115,6 +116,7 @@ DRIFT = 0.5  # a plan's measured step ms 50 % off its prediction: the cost has m
 DRIFT_FORGET = 0.1  # then old cost samples keep a tenth of their weight
 EXPLORE_BACKOFF = 8  # the exploration period grows to at most 8 x explore_every
 GATE_EDGES = np.linspace(-12.0, 0.0, 25)  # score-gate bins: log confidence in 0.5-nat steps (below -12: bin 0)
+_EDGES = GATE_EDGES.tolist()
 EARLY_STEPS = (MIN_STEPS, 4 * MIN_STEPS, 16 * MIN_STEPS)  # a bucket's clean steps at which it re-plans early
 MIN_GATE_NODES = 256  # drafted nodes calibrated before a bucket gets a gate
 MIN_BIN_NODES = 64  # a bin's counts are not decayed below this
@@ -251,21 +253,22 @@ def prune_to_linear(proposal: TreeProposal) -> TreeProposal:
     return _keep_nodes(proposal, linear_nodes(proposal))
 
 
-def confidence(scores: torch.Tensor, scores_are_probs: bool) -> np.ndarray:
-    """[N] log confidence of a proposal's nodes: log of a path frequency, or the log q it already is."""
-    s = scores.detach().cpu().double().numpy()
-    return np.log(np.maximum(s, 1e-300)) if scores_are_probs else s
+def confidence(scores: torch.Tensor, scores_are_probs: bool) -> list[float]:
+    """[N] log confidence of a proposal's nodes: log of a path frequency, or the log q it already is (a list: a
+    few nodes per request per step, where tensor or array ops cost more than the arithmetic)."""
+    s = scores.tolist()
+    return [math.log(max(x, 1e-300)) for x in s] if scores_are_probs else s
 
 
-def gate_by_confidence(proposal: TreeProposal, conf: np.ndarray, min_conf: float) -> TreeProposal:
+def gate_by_confidence(proposal: TreeProposal, conf: Sequence[float], min_conf: float) -> TreeProposal:
     """The nodes of `proposal` whose log confidence is >= min_conf and whose parent is kept (ancestor-closed,
     same order; verification of the result is as lossless as of the whole tree)."""
-    if len(conf) == 0 or conf.min() >= min_conf:  # the common case where rows are cheap: nothing to cut
+    if all(c >= min_conf for c in conf):  # the common case where rows are cheap: nothing to cut
         return proposal
     parents = proposal.tree.parents.tolist()
     kept = [False] * len(parents)
     for i, p in enumerate(parents):  # topological order: a parent is decided before its children
-        kept[i] = bool(conf[i] >= min_conf) and (p < 0 or kept[p])
+        kept[i] = conf[i] >= min_conf and (p < 0 or kept[p])
     return _keep_nodes(proposal, [i for i, k in enumerate(kept) if k])
 
 
@@ -327,22 +330,28 @@ class AcceptanceProfile:
     `asked[d, r]` counts rank-r child slots below a depth-d node that the step asked the drafter for
     (the plan's fan-out there, MAX_RANK when unpruned): at reached nodes for `accepted`, at drafted
     nodes for `drafted`.
+
+    A round adds 1 to a prefix of ranks (ranks 0 .. k - 1 of a level) for every node it visits, so what a round
+    records is one count per node: the prefix length k, in a histogram `*_upto[d][k]` (Python lists: a few
+    scalar adds per round, the policy's hot path); `reached`, `present` and `drafted` are their suffix sums.
     """
 
     max_depth: int
-    reached: np.ndarray = None  # [D, R] asked slots below reached (accepted) nodes
-    accepted: np.ndarray = None  # [D, R]
-    present: np.ndarray = None  # [D, R] asked slots below drafted nodes
-    drafted: np.ndarray = None  # [D, R]
+    reached_upto: list = None  # [D][R + 1] reached (accepted) nodes by the number of ranks asked below them
+    accepted_at: list = None  # [D][R] accepted nodes by depth and rank
+    present_upto: list = None  # [D][R + 1] drafted nodes by the number of ranks asked below them
+    drafted_upto: list = None  # [D][R + 1] drafted nodes by the number of their children that were asked for
     rounds: float = 0.0
     full: Yield = field(default_factory=Yield)  # unpruned rounds
     linear: Yield = field(default_factory=Yield)  # rounds whose verified tree held the linear draft: its yield
 
+    _COUNTS = ("reached_upto", "accepted_at", "present_upto", "drafted_upto")
+
     def __post_init__(self) -> None:
-        shape = (self.max_depth, MAX_RANK)
-        for name in ("reached", "accepted", "present", "drafted"):
+        for name in self._COUNTS:
             if getattr(self, name) is None:
-                setattr(self, name, np.zeros(shape))
+                width = MAX_RANK if name == "accepted_at" else MAX_RANK + 1
+                setattr(self, name, [[0.0] * width for _ in range(self.max_depth)])
 
     def observe(self, tree: Tree, path: Sequence[int], asked: dict[tuple[int, ...], int] | None,
                 struct=None) -> None:
@@ -355,29 +364,55 @@ class AcceptanceProfile:
                 return MAX_RANK
             return min(MAX_RANK, asked.get(() if row == 0 else paths[row - 1], 0))
 
+        present, drafted = self.present_upto, self.drafted_upto
         for row, kids in enumerate(children):  # every drafted node (and the root): asked vs drafted
             d = 0 if row == 0 else depths[row - 1]
             if d >= self.max_depth:
                 continue
             k = ask(row)
-            self.present[d, :k] += 1
-            if kids:
-                self.drafted[d, : min(k, len(kids))] += 1  # ranks are 0..len(kids) - 1
+            present[d][k] += 1
+            drafted[d][min(k, len(kids))] += 1  # ranks are 0..len(kids) - 1
         row = 0
         for d in range(min(len(path), self.max_depth - 1) + 1):  # reached nodes: asked vs accepted
-            self.reached[d, : ask(row)] += 1
+            self.reached_upto[d][ask(row)] += 1
             if d < len(path):
                 r = ranks[path[d]]
                 if r < MAX_RANK:
-                    self.accepted[d, r] += 1
+                    self.accepted_at[d][r] += 1
                 row = path[d] + 1
         self.rounds += 1
         if asked is None:
             self.full.add(1 + len(path), tree.num_nodes)
 
+    @staticmethod
+    def _ranks(upto: list) -> np.ndarray:
+        """[D, R] per rank r: the counts of prefixes longer than r."""
+        h = np.asarray(upto, dtype=np.float64)  # [D, R + 1]
+        return np.cumsum(h[:, ::-1], axis=1)[:, ::-1][:, 1:]
+
+    @property
+    def reached(self) -> np.ndarray:
+        """[D, R] asked rank-r slots below reached depth-d nodes."""
+        return self._ranks(self.reached_upto)
+
+    @property
+    def present(self) -> np.ndarray:
+        """[D, R] asked rank-r slots below drafted depth-d nodes."""
+        return self._ranks(self.present_upto)
+
+    @property
+    def drafted(self) -> np.ndarray:
+        """[D, R] drafted rank-r children (of those asked for) of depth-d nodes."""
+        return self._ranks(self.drafted_upto)
+
+    @property
+    def accepted(self) -> np.ndarray:
+        """[D, R] accepted rank-r children of reached depth-d nodes."""
+        return np.asarray(self.accepted_at, dtype=np.float64)
+
     def decay(self, factor: float) -> None:
-        for name in ("reached", "accepted", "present", "drafted"):
-            getattr(self, name)[...] *= factor
+        for name in self._COUNTS:
+            setattr(self, name, [[c * factor for c in counts] for counts in getattr(self, name)])
         self.rounds *= factor
         self.full.decay(factor)
         self.linear.decay(factor)
@@ -393,7 +428,6 @@ class AcceptanceProfile:
         return np.minimum(1.0, self.drafted / (self.present + PROFILE_PRIOR))
 
 
-
 @dataclass
 class ScoreCalibration:
     """P(a drafted node is accepted) by the drafter's log confidence in it: decayed counts per GATE_EDGES bin."""
@@ -406,12 +440,13 @@ class ScoreCalibration:
         """[N] bin of each log confidence: bin i holds [GATE_EDGES[i], GATE_EDGES[i + 1]) (the last: >= 0)."""
         return np.clip(np.searchsorted(GATE_EDGES, conf, side="right") - 1, 0, len(GATE_EDGES) - 1)
 
-    def observe(self, conf: np.ndarray, path: Sequence[int]) -> None:
-        """One verified round: conf [N] of its nodes, `path` the accepted ones."""
-        b = self.bins(conf)
-        np.add.at(self.drafted, b, 1.0)
-        if len(path):
-            np.add.at(self.accepted, b[list(path)], 1.0)
+    def observe(self, conf: Sequence[float], path: Sequence[int]) -> None:
+        """One verified round: conf [N] of its nodes, `path` the accepted ones (scalar adds: a few nodes a round)."""
+        b = [min(max(bisect.bisect_right(_EDGES, c) - 1, 0), len(_EDGES) - 1) for c in conf]  # = bins(conf)
+        for i in b:
+            self.drafted[i] += 1.0
+        for i in path:
+            self.accepted[b[i]] += 1.0
 
     def decay(self, factor: float) -> None:
         """Forget old rounds, except in bins left with fewer than MIN_BIN_NODES: a gated bin is drafted on
@@ -912,7 +947,8 @@ def _linear_yield(drafted: TreeProposal, toks: list[int], children: list[list[in
     exactly where the linear rule would have rejected (or where the gate ended it), so the common prefix is what
     the linear draft alone accepts under the same draws (exact for the greedy and deterministic rules; for
     sampled trees, whose rule at a node depends on all its children, an estimate)."""
-    lin = drafted.tree.tokens[linear_nodes(drafted)].tolist()
+    drafted_toks = drafted.tree.tokens.tolist()
+    lin = [drafted_toks[i] for i in linear_nodes(drafted)]
     kept, row = 0, 0
     for t in lin:  # how much of it the verified tree holds (all of it, unless the gate cut its tail)
         row = next((c + 1 for c in children[row] if toks[c] == t), 0)

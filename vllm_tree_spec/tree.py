@@ -53,10 +53,18 @@ NO_PARENT = -1  # parent of a child of the root
 NO_NODE = -1  # "none" in first_child / next_sibling / padded layouts
 PAD_TOKEN_ID = -1  # token id of padding slots in batched layouts
 WORD_BITS = 32  # bits per word of the packed ancestor mask
+SMALL_TREE = 256  # trees up to this size are checked with Python lists (the per-request hot path)
 
 
 class TreeError(ValueError):
     """A malformed tree (raised with the offending field and how to fix it)."""
+
+
+def _as_cpu_long(x) -> torch.Tensor:
+    """[N] int64 on the CPU (already one: itself, no copy)."""
+    if isinstance(x, torch.Tensor) and x.dtype == torch.long and x.dim() == 1 and x.device.type == "cpu":
+        return x
+    return torch.as_tensor(x, dtype=torch.long).reshape(-1).cpu()
 
 
 # ---------------------------------------------------------------------------
@@ -76,19 +84,21 @@ class Tree:
     tokens: torch.Tensor | None = None  # [N]
 
     def __post_init__(self) -> None:
-        parents = torch.as_tensor(self.parents, dtype=torch.long).reshape(-1).cpu()
+        parents = _as_cpu_long(self.parents)
         object.__setattr__(self, "parents", parents)
         n = parents.numel()
-        idx = torch.arange(n)
-        bad = (parents < NO_PARENT) | (parents >= idx)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0])
+        if n <= SMALL_TREE:  # drafters build one tree per request per step: a list scan beats three tensor ops
+            i = next((i for i, p in enumerate(parents.tolist()) if p < NO_PARENT or p >= i), None)
+        else:
+            bad = (parents < NO_PARENT) | (parents >= torch.arange(n))
+            i = int(bad.nonzero()[0]) if bool(bad.any()) else None
+        if i is not None:
             raise TreeError(
                 f"parents[{i}] = {int(parents[i])}: every parent must be -1 (root) or an "
                 f"earlier node index (< {i}); list nodes in topological order"
             )
         if self.tokens is not None:
-            tokens = torch.as_tensor(self.tokens, dtype=torch.long).reshape(-1).cpu()
+            tokens = _as_cpu_long(self.tokens)
             if tokens.numel() != n:
                 raise TreeError(
                     f"tokens has {tokens.numel()} entries but parents has {n}; give one token per node"
@@ -289,6 +299,8 @@ class Tree:
         if self.tokens is None:
             return []
         toks = self.tokens.tolist()
+        if len(set(zip(self.parents.tolist(), toks))) == len(toks):  # the usual answer, without the walk
+            return []
         dups = []
         for c in self.children:
             seen: dict[int, int] = {}

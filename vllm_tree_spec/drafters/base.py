@@ -154,10 +154,11 @@ class TreeProposal:
             raise DrafterError("tree has no tokens; a proposal needs Tree(parents, tokens)")
         if budget is not None and n > budget:
             raise DrafterError(f"proposal has {n} nodes but the budget is {budget}; truncate to a topological prefix")
-        if n and int(tree.tokens.min()) < 0:
-            raise DrafterError(f"tree.tokens holds a negative id {int(tree.tokens.min())}; draft real token ids")
-        if vocab_size is not None and n and int(tree.tokens.max()) >= vocab_size:
-            raise DrafterError(f"tree.tokens holds id {int(tree.tokens.max())} >= vocab_size {vocab_size}")
+        toks = tree.tokens.tolist()
+        if n and min(toks) < 0:
+            raise DrafterError(f"tree.tokens holds a negative id {min(toks)}; draft real token ids")
+        if vocab_size is not None and n and max(toks) >= vocab_size:
+            raise DrafterError(f"tree.tokens holds id {max(toks)} >= vocab_size {vocab_size}")
         if self.scores is not None and tuple(self.scores.shape) != (n,):
             raise DrafterError(f"scores has shape {tuple(self.scores.shape)}; expected [N] = [{n}]")
         if self.linear_len is not None:
@@ -364,18 +365,21 @@ def canonical_tree(
     bad = [i for i, p in enumerate(par) if p < -1 or p >= n or p == i]
     if bad:
         raise DrafterError(f"parents[{bad[0]}] = {par[bad[0]]} is not -1 (root) or another node's index in [0, {n})")
-    children: list[list[int]] = [[] for _ in range(n + 1)]  # by parent row
-    for i, p in enumerate(par):
-        children[p + 1].append(i)
-    order, heap = [], list(children[0])
-    heapq.heapify(heap)
-    while heap:
-        i = heapq.heappop(heap)
-        order.append(i)
-        for c in children[i + 1]:
-            heapq.heappush(heap, c)
-    if len(order) != n:
-        raise DrafterError(f"parents has a cycle: {n - len(order)} nodes are not reachable from the root")
+    if all(p < i for i, p in enumerate(par)):  # already topological (the usual case): keep the order
+        order = range(n)
+    else:
+        children: list[list[int]] = [[] for _ in range(n + 1)]  # by parent row
+        for i, p in enumerate(par):
+            children[p + 1].append(i)
+        order, heap = [], list(children[0])
+        heapq.heapify(heap)
+        while heap:
+            i = heapq.heappop(heap)
+            order.append(i)
+            for c in children[i + 1]:
+                heapq.heappush(heap, c)
+        if len(order) != n:
+            raise DrafterError(f"parents has a cycle: {n - len(order)} nodes are not reachable from the root")
 
     new_index: dict[int, int] = {}  # old node -> surviving new node
     slot: dict[tuple[int, int], int] = {}  # (new parent, token) -> new node
