@@ -96,7 +96,7 @@ import torch
 
 from vllm_tree_spec.drafters.base import DraftRequest, TreeProposal
 from vllm_tree_spec.planner import candidate_trees, describe_tree
-from vllm_tree_spec.tree import NO_PARENT, Tree
+from vllm_tree_spec.tree import NO_PARENT, Tree, long_tensor
 from vllm_tree_spec.verify import Mode
 
 GATED_MODES = (Mode.GREEDY, Mode.DETERMINISTIC)  # children chosen, not drawn: any draft-side subset is lossless
@@ -285,12 +285,12 @@ def _keep_nodes(proposal: TreeProposal, keep: list[int]) -> TreeProposal:
     parents = tree.parents.tolist()
     new_index = {j: i for i, j in enumerate(keep)}
     kept_parents = [NO_PARENT if parents[j] < 0 else new_index[parents[j]] for j in keep]  # parents are kept too
-    idx = torch.tensor(keep, dtype=torch.long)
+    idx = long_tensor(keep)
     q = proposal.draft_probs
     if q is not None:
         q = q[torch.tensor([0] + [j + 1 for j in keep], device=q.device)]  # [n' + 1, V] root row + kept rows
     scores = None if proposal.scores is None else proposal.scores[idx]
-    return TreeProposal(Tree(torch.tensor(kept_parents, dtype=torch.long), tree.tokens[idx]), proposal.mode, q, scores)
+    return TreeProposal(Tree(long_tensor(kept_parents), tree.tokens[idx]), proposal.mode, q, scores)
 
 
 # ---------------------------------------------------------------------------

@@ -170,7 +170,8 @@ def instrument(llm, clock: Clock, steps: list) -> dict:
         out = step_fn()
         wall, cpu = clock.take()
         if shape:  # a step that ran the model
-            steps.append(dict(shape, wall=exclusive(wall), cpu=exclusive(cpu)))
+            parts = {k: wall.get(k, 0.0) for k in ("spec_meta", "tree_build", "prepare", "plan")}
+            steps.append(dict(shape, wall=exclusive(wall), cpu=exclusive(cpu), metadata_wall=parts))
         return out
 
     core.step_fn = step

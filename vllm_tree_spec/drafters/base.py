@@ -48,10 +48,11 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
+import numpy as np
 import torch
 
 from vllm_tree_spec.sampling import GREEDY_TEMPERATURE
-from vllm_tree_spec.tree import Tree
+from vllm_tree_spec.tree import Tree, long_tensor
 from vllm_tree_spec.verify import Mode
 
 PROB_SUM_TOL = 1e-4  # slack on sum(q) == 1 for a float32 q row
@@ -401,6 +402,6 @@ def canonical_tree(
                 new_score.append(float(scores[i]))
         new_index[i] = j
     m = len(new_par) if budget is None else min(budget, len(new_par))
-    tree = Tree(torch.tensor(new_par[:m], dtype=torch.long), torch.tensor(new_tok[:m], dtype=torch.long))
-    out_scores = None if scores is None else torch.tensor(new_score[:m], dtype=torch.float64)
+    tree = Tree(long_tensor(new_par[:m]), long_tensor(new_tok[:m]))
+    out_scores = None if scores is None else torch.from_numpy(np.array(new_score[:m], dtype=np.float64))
     return tree, out_scores

@@ -53,7 +53,7 @@ from vllm_tree_spec.drafters.base import (
     TreeProposal,
     deterministic_mode,
 )
-from vllm_tree_spec.tree import NO_PARENT, Tree
+from vllm_tree_spec.tree import NO_PARENT, Tree, long_tensor
 from vllm_tree_spec.verify import Mode
 
 
@@ -239,6 +239,6 @@ class NgramTreeDrafter(TreeDrafter):
         new_index = {j: k for k, j in enumerate(keep)}
         # Parents rank before children (see the module docstring), so new_index has them.
         parents = [NO_PARENT if nodes[j].parent == NO_PARENT else new_index[nodes[j].parent] for j in keep]
-        tree = Tree(torch.tensor(parents, dtype=torch.long), torch.tensor([nodes[j].token for j in keep]))
-        scores = torch.tensor([nodes[j].weight / total for j in keep], dtype=torch.float64)
+        tree = Tree(long_tensor(parents), long_tensor([nodes[j].token for j in keep]))
+        scores = torch.from_numpy(np.array([nodes[j].weight / total for j in keep], dtype=np.float64))
         return TreeProposal(tree, mode, scores=scores)

@@ -13,8 +13,10 @@ verifier's outputs, with no host sync and no per-request work:
     paged (FLASH_ATTN / TRITON_ATTN, CUDA)  one `kv_commit_paged_triton` launch per KV group
                                             (every layer: a cached table of base addresses)
     cpu_attn, or paged without CUDA         the (src, dst) slots built once per step on the device
-                                            (`commit_index_lists`; on CPU the pairs already in place
-                                            are dropped first), then one gather + one scatter
+                                            (`commit_index_lists`; on CPU from host lists, `moving_rows`,
+                                            without the pairs already in place: a step whose paths
+                                            all sit in place, chains' usually, copies nothing),
+                                            then one gather + one scatter
                                             over all layers of a group when vLLM placed them in
                                             one allocation at a constant stride (vLLM 0.32 does:
                                             `create_kv_cache_views`), else per layer; CPU_ATTN
@@ -93,6 +95,12 @@ def commit_step(runner, step, result) -> None:
     """Commit the accepted paths of a step (`TreeStepMeta` + the verifier's device outputs), in place."""
     meta = step.meta
     plans = runner.__dict__.setdefault("_tree_commit_groups", {})
+    host = not verify.sync_free(result.accepted_nodes.device)
+    if host:  # CPU: the moving pairs in numpy, once for every group (most steps' chains move nothing)
+        src_rows, dst_rows = moving_rows(meta.cu_num_rows, result.accepted_nodes, result.num_accepted)
+        if not src_rows:
+            return
+        src_rows, dst_rows = torch.tensor(src_rows), torch.tensor(dst_rows)
     for gid, row_slots in meta.row_slots.items():
         plan = plans.get(gid)
         if plan is None:
@@ -108,12 +116,10 @@ def commit_step(runner, step, result) -> None:
             kv_commit_paged_triton(plan.caches, row_slots, meta.cu_num_rows, result.accepted_nodes,
                                    result.num_accepted, layer_table=plan.layer_table)
             continue
-        src, dst = commit_index_lists(row_slots, meta.cu_num_rows, result.accepted_nodes, result.num_accepted)
-        if not verify.sync_free(src.device):  # CPU: drop the pairs already in place (most of a chain's)
-            moving = src != dst
-            src, dst = src[moving], dst[moving]
-            if src.numel() == 0:
-                continue
+        if host:
+            src, dst = row_slots[src_rows], row_slots[dst_rows]
+        else:
+            src, dst = commit_index_lists(row_slots, meta.cu_num_rows, result.accepted_nodes, result.num_accepted)
         for cache in plan.caches:
             copy_slots(cache, src, dst, plan.layout, plan.head_size, plan.joined, plan.isa)
 
@@ -123,6 +129,19 @@ def commit_index_lists(row_slots, cu_num_rows, accepted_nodes, num_accepted) -> 
     src_row, dst_row = kv_layout.compaction_rows(accepted_nodes, num_accepted)  # [B, D] local rows
     row0 = cu_num_rows[:-1, None]
     return row_slots[row0 + src_row].reshape(-1), row_slots[row0 + dst_row].reshape(-1)
+
+
+def moving_rows(cu_num_rows, accepted_nodes, num_accepted) -> tuple[list[int], list[int]]:
+    """CPU: (src, dst) step rows of the pairs that move each accepted path into place (`compaction_pairs` on the
+    step's rows: pairs already in place, a chain's accepted prefix, are left out). Host lists: a few accepted
+    nodes per request, where each tensor op would cost more than the loop."""
+    cu = cu_num_rows.tolist()
+    src, dst = [], []
+    for b, (nodes, k) in enumerate(zip(accepted_nodes.tolist(), num_accepted.tolist())):
+        for s, d in kv_layout.compaction_pairs(range(cu[b], cu[b + 1]), nodes[:k]):
+            src.append(s)
+            dst.append(d)
+    return src, dst
 
 
 def copy_slots(cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, layout: str, head_size: int,

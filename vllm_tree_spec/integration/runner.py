@@ -31,7 +31,6 @@ its KV copied to slot root + k -> vLLM keeps the first k drafts.
 
 from __future__ import annotations
 
-import itertools
 import time
 
 import numpy as np
@@ -46,7 +45,7 @@ from vllm_tree_spec.integration.tree_sampler import (PLACEHOLDER_TOKEN_ID, sampl
                                                     unsupported_reason)
 from vllm_tree_spec.integration.tree_step import TreeRequestStep, TreeStep, TreeStepMeta
 from vllm_tree_spec.integration.worker_memory import HeapTrimmer
-from vllm_tree_spec.tree import TreeBatch
+from vllm_tree_spec.tree import TreeBatch, long_tensor
 
 logger = init_logger(__name__)
 
@@ -214,7 +213,7 @@ class TreeRunnerMixin:
 
     def _tree_build_step(self, scheduler_output) -> TreeStep:
         """The step's trees, once: per-request records for attention, flattened tensors (`TreeStepMeta`)
-        for positions, verification and the commit. Host work is vectorised numpy over the step; the
+        for positions, verification and the commit. Host work is one pass over the step's requests; the
         device gets one upload and one gather of each KV group's slot mapping (no device-to-host copy,
         except for adapters that read slots on the host)."""
         from vllm_tree_spec.verify import Mode, upload
@@ -237,29 +236,32 @@ class TreeRunnerMixin:
         # the scheduler may keep a topological prefix; the full tree keeps its cached structure
         trees = [dt.tree if len(dr) == dt.tree.num_nodes else dt.tree.subtree(len(dr)) for _, _, dr, dt in found]
         batch = TreeBatch.from_trees(trees)
-        drafted = np.fromiter(itertools.chain.from_iterable(dr for _, _, dr, _ in found), dtype=np.int64)
-        if drafted.shape[0] != int(batch.cu_num_nodes[-1]) or not np.array_equal(drafted, batch.tokens.numpy()):
-            for (_, rid, dr, dt), tree in zip(found, trees):  # name the first request that disagrees
-                if tree.tokens.tolist() != list(dr):
-                    raise RuntimeError(f"request {rid}: scheduled drafts {list(dr)} do not match its tree "
-                                       f"{dt.tree.tokens.tolist()} (first {len(dr)} nodes: {tree.tokens.tolist()})")
-        idx = np.array([f[0] for f in found], dtype=np.int64)  # [B]
-        n = batch.num_nodes.numpy()  # [B]
-        qsl = self.query_start_loc.np
-        root_row = qsl[idx + 1].astype(np.int64) - n - 1  # [B]
-        # vLLM's linear position of the root (host-side: no device sync on GPUs)
-        root_pos = self.input_batch.num_computed_tokens_cpu[idx].astype(np.int64) + root_row - qsl[idx]
-        cu_rows = batch.cu_num_rows.numpy()
-        rows = np.repeat(root_row - cu_rows[:-1], n + 1) + np.arange(cu_rows[-1])  # [R]
-        node_rows = np.delete(rows, cu_rows[:-1])  # [T] (the roots removed)
-        positions = np.repeat(root_pos, n) + batch.depth.numpy()  # [T]
-        rows_d, node_rows_d, positions_d, cu_d = upload(
-            [torch.from_numpy(a) for a in (rows, node_rows, positions, cu_rows)], self.positions.device)
+        host = batch.host  # the trees as flat lists, one pass
+        # Row bookkeeping in one pass over the requests, in lists: a step has a few dozen rows, where each numpy
+        # call would cost more than its arithmetic.
+        qsl, computed = self.query_start_loc.np, self.input_batch.num_computed_tokens_cpu
+        idx, root_row, root_pos, rows, node_rows, positions = [], [], [], [], [], []
+        for b, ((i, rid, dr, dt), n) in enumerate(zip(found, host.num_nodes)):
+            k = host.cu_num_nodes[b]
+            if list(dr) != host.tokens[k: k + n]:
+                raise RuntimeError(f"request {rid}: scheduled drafts {list(dr)} do not match its tree "
+                                   f"{dt.tree.tokens.tolist()} (first {len(dr)} nodes: {host.tokens[k: k + n]})")
+            r0 = int(qsl[i + 1]) - n - 1  # the root's flattened row: the request's last 1 + n rows are its tree
+            p0 = int(computed[i]) + r0 - int(qsl[i])  # vLLM's linear position of the root (host-side: no sync)
+            idx.append(i)
+            root_row.append(r0)
+            root_pos.append(p0)
+            rows.extend(range(r0, r0 + n + 1))
+            node_rows.extend(range(r0 + 1, r0 + n + 1))
+            positions.extend([p0 + d for d in host.depth[k: k + n]])
+        cu_rows = host.cu_num_rows
+        rows, node_rows, positions, cu_rows_t = (long_tensor(a) for a in (rows, node_rows, positions, cu_rows))
+        rows_d, node_rows_d, positions_d, cu_d = upload([rows, node_rows, positions, cu_rows_t], self.positions.device)
         self._tree_set_positions(node_rows_d, positions_d, trees)
         slots = {gid: self.input_batch.block_table[gid].slot_mapping.gpu[rows_d].to(torch.long)
                  for gid in range(len(self.kv_cache_config.kv_cache_groups))}  # [R] per group, on the device
-        meta = TreeStepMeta(batch, torch.from_numpy(idx), torch.from_numpy(root_row), cu_d, rows_d, node_rows_d,
-                            positions_d, slots)
+        meta = TreeStepMeta(batch, long_tensor(idx), long_tensor(root_row), cu_d, rows_d, node_rows_d, positions_d,
+                            slots)
         host_slots = {}
         if not getattr(self.tree_adapter, "device_commit", False):  # adapters that commit from host lists
             host_slots = {gid: sm.tolist() for gid, sm in slots.items()}  # one copy per group
@@ -269,8 +271,8 @@ class TreeRunnerMixin:
             mode = Mode(dt.mode)
             if mode != Mode.GREEDY:  # the user's `verification` rule (lossless for this drafting: config.py)
                 mode = Mode.parse(self.tree_cfg.verification_for(mode.name.lower()))
-            r0, r1 = int(cu_rows[b]), int(cu_rows[b + 1])
-            reqs.append(TreeRequestStep(rid, i, int(root_row[b]), int(root_pos[b]), tree, mode, q,
+            r0, r1 = cu_rows[b], cu_rows[b + 1]
+            reqs.append(TreeRequestStep(rid, i, root_row[b], root_pos[b], tree, mode, q,
                                         {gid: sm[r0:r1] for gid, sm in host_slots.items()}))
         return TreeStep(reqs, meta=meta)
 
