@@ -1,14 +1,15 @@
-"""The draft stage alone, tree vs vLLM's linear suffix proposer: host ms per step on replayed greedy outputs.
+"""The draft stage alone, tree vs vLLM's linear proposer (suffix or n-gram): host ms per step on replayed outputs.
 
 Under greedy decoding the output does not depend on the drafts (suffix_replay.py), so the draft stage can be
 driven without a model: B requests decode in lockstep through their stored greedy outputs; each step every
 request drafts, accepts the longest drafted path that matches its output plus the bonus token, and a finished
-request is replaced by the next prompt (continuous batching). Two drafting stacks:
+request is replaced by the next prompt (continuous batching). Two drafting stacks per `--drafter`:
 
-    tree     the served tree engine's drafting: `TreeProposer` (suffix drafter, `budgets: "auto"` online
-             policy with its score gate), called as the runner calls it (`make_request` per request,
+    tree     the served tree engine's drafting: `TreeProposer` (the suffix or n-gram drafter, `budgets: "auto"`
+             online policy with its score gate), called as the runner calls it (`make_request` per request,
              `propose_trees`, the drafts as token lists)
-    linear   vLLM's `SuffixDecodingProposer.propose` on a minimal input batch (what `method: "suffix"` runs)
+    linear   vLLM's `SuffixDecodingProposer.propose` / `NgramProposer.propose` on a minimal input batch (what
+             `method: "suffix"` / `"ngram"` run; n-gram: prompt lookup 1..3, as in the serving benchmark)
 
 The policy's clock is wall time plus a modelled forward (`--cost-line C0,S`: C0 + S x rows ms per step), so it
 plans as it would in serving; the draft stage itself is measured, in process CPU time, per step. Each stack
@@ -89,11 +90,14 @@ class Walk:
         return emitted
 
 
-def tree_stack(batch: int, cost_line: tuple[float, float]):
+LOOKUP = {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def tree_stack(drafter: str, batch: int, cost_line: tuple[float, float]):
     from vllm_tree_spec.integration.proposer import TreeProposer
 
-    cfg = SimpleNamespace(additional_config={"tree_spec": {"method": "tree", "drafter": "suffix",
-                                                           "num_speculative_tokens": D}},
+    spec = {"method": "tree", "drafter": drafter, "num_speculative_tokens": D, **(LOOKUP if drafter == "ngram" else {})}
+    cfg = SimpleNamespace(additional_config={"tree_spec": spec},
                           scheduler_config=SimpleNamespace(max_num_seqs=batch))
     prop = TreeProposer(cfg)
     pol = prop.shape_policy.policy
@@ -117,7 +121,9 @@ def tree_stack(batch: int, cost_line: tuple[float, float]):
     return step
 
 
-def linear_stack(batch: int, cost_line: tuple[float, float]):
+def linear_stack(drafter: str, batch: int, cost_line: tuple[float, float]):
+    if drafter == "ngram":
+        return ngram_stack(batch)
     from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
 
     spec = SimpleNamespace(num_speculative_tokens=D, suffix_decoding_max_tree_depth=24,
@@ -139,8 +145,26 @@ def linear_stack(batch: int, cost_line: tuple[float, float]):
     return step
 
 
-def run(name: str, data, batch: int, cost_line, profile: cProfile.Profile | None = None) -> dict:
-    step = (tree_stack if name == "tree" else linear_stack)(batch, cost_line)
+def ngram_stack(batch: int):
+    from vllm.v1.spec_decode.ngram_proposer import NgramProposer
+
+    spec = SimpleNamespace(num_speculative_tokens=D, **LOOKUP)
+    prop = NgramProposer(SimpleNamespace(speculative_config=spec, model_config=SimpleNamespace(max_model_len=4096),
+                                         scheduler_config=SimpleNamespace(max_num_seqs=batch),
+                                         parallel_config=SimpleNamespace(tensor_parallel_size=1)))
+
+    def step(walk: Walk) -> list[tuple[list[int], list[int]]]:
+        walk.finished.clear()
+        slots = walk.rows()
+        drafts = prop.propose(D, [s["new"] for s in slots], np.array([s["n"] for s in slots]), walk.tokens)
+        return [(list(range(-1, len(d) - 1)), list(d)) for d in drafts]
+
+    return step
+
+
+def run(name: str, data, batch: int, cost_line, profile: cProfile.Profile | None = None,
+        drafter: str = "suffix") -> dict:
+    step = (tree_stack if name == "tree" else linear_stack)(drafter, batch, cost_line)
     walk = Walk(data, batch, max(len(d["prompt"]) + len(d["output"]) for d in data) + D + 2)
     times, full, tokens, steps = [], [], 0, 0
     while walk.slots:
@@ -157,7 +181,7 @@ def run(name: str, data, batch: int, cost_line, profile: cProfile.Profile | None
         times.append(dt)
         tokens += walk.accept(drafts)
         steps += 1
-    return dict(engine=name, steps=steps, tokens=tokens, tok_per_step=tokens / steps,
+    return dict(engine=name, drafter=drafter, steps=steps, tokens=tokens, tok_per_step=tokens / steps,
                 median_ms=statistics.median(full or times), mean_ms=statistics.fmean(full or times),
                 full_steps=len(full))
 
@@ -165,6 +189,7 @@ def run(name: str, data, batch: int, cost_line, profile: cProfile.Profile | None
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--outputs", required=True, help="greedy outputs JSON (suffix_replay.py --out DIR writes one)")
+    ap.add_argument("--drafter", choices=("suffix", "ngram"), default="suffix")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cost-line", default="40,0.6", help="C0,S: modelled forward ms = C0 + S x rows")
@@ -178,11 +203,11 @@ def main() -> None:
     runs = []
     for rep in range(args.repeats):
         for name in ("linear", "tree"):  # interleaved
-            r = dict(run(name, data, args.batch, cost), repeat=rep)
+            r = dict(run(name, data, args.batch, cost, drafter=args.drafter), repeat=rep)
             runs.append(r)
             print(json.dumps(r), flush=True)
     med = {e: statistics.median(r["median_ms"] for r in runs if r["engine"] == e) for e in ("tree", "linear")}
-    lines = [f"draft stage, batch {args.batch}, {len(data)} prompts, {args.repeats} interleaved repeats "
+    lines = [f"{args.drafter} draft stage, batch {args.batch}, {len(data)} prompts, {args.repeats} interleaved repeats "
              f"(process CPU ms per full-batch step, median of run medians)", "",
              "| engine | ms/step | tokens/step |", "|---|---|---|"]
     for e in ("linear", "tree"):
@@ -191,7 +216,7 @@ def main() -> None:
     lines.append(f"\ntree - linear: {med['tree'] - med['linear']:.3f} ms/step")
     if args.profile:
         prof = cProfile.Profile()
-        run("tree", data, args.batch, cost, prof)
+        run("tree", data, args.batch, cost, prof, drafter=args.drafter)
         s = io.StringIO()
         pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(25)
         (out / "tree_profile.txt").write_text(s.getvalue())

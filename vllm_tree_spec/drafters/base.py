@@ -270,6 +270,10 @@ class TreeDrafter(ABC):
     def active_requests(self) -> list[Hashable]:
         return list(self._prompt_len)
 
+    def is_active(self, req_id: Hashable) -> bool:
+        """Whether `req_id` was started and not finished (O(1): the runner asks for every request every step)."""
+        return req_id in self._prompt_len
+
     def _start(self, req_id: Hashable, prompt_token_ids: Sequence[int]) -> None:
         """Hook: create per-request state (default: none)."""
 

@@ -161,7 +161,7 @@ class TreeProposer:
 
     def make_request(self, req_id: str, token_ids: Sequence[int], state) -> DraftRequest:
         sp = state.sampling_params
-        if req_id not in self.drafter.active_requests:
+        if not self.drafter.is_active(req_id):
             self.drafter.start_request(req_id, list(state.prompt_token_ids or token_ids[:1]),
                                        seed=getattr(sp, "seed", None))
         return DraftRequest(req_id, token_ids, float(sp.temperature) if sp is not None else 0.0)
@@ -199,5 +199,5 @@ class TreeProposer:
     def finish_request(self, req_id: str) -> None:
         if self.shape_policy is not None:
             self.shape_policy.finish_request(req_id)
-        if req_id in self.drafter.active_requests:
+        if self.drafter.is_active(req_id):
             self.drafter.finish_request(req_id)
