@@ -283,6 +283,53 @@ def test_profile_counts_asked_ranks_only():
     assert prof.drafted[0, :2].tolist() == [2, 1] and prof.full.rounds == 1 and prof.full.tokens == 2
 
 
+def test_profile_histograms_equal_per_rank_counting():
+    """The profile's prefix-length histograms give exactly the per-rank counts the docstring defines, counted
+    here directly into [D, R] arrays (random trees, accepted paths, pruned and unpruned plans, a decay)."""
+    import numpy as np
+
+    from vllm_tree_spec.online_policy import MAX_RANK
+
+    rng = random.Random(3)
+    depth_cap = 5
+    prof = AcceptanceProfile(depth_cap)
+    ref = {k: np.zeros((depth_cap, MAX_RANK)) for k in ("reached", "accepted", "present", "drafted")}
+    for step in range(300):
+        n = rng.randint(0, 14)
+        parents = [-1 if i == 0 else rng.randint(-1, i - 1) for i in range(n)]
+        tree = Tree(torch.tensor(parents, dtype=torch.long), torch.arange(n))
+        ranks, depths, paths, children = structure(parents)
+        path, row = [], 0
+        while children[row] and rng.random() < 0.7:
+            path.append(rng.choice(children[row]))
+            row = path[-1] + 1
+        asked = None if rng.random() < 0.5 else {p: rng.randint(0, 10) for p in [()] + paths if rng.random() < 0.8}
+
+        def ask(r):
+            return MAX_RANK if asked is None else min(MAX_RANK, asked.get(() if r == 0 else paths[r - 1], 0))
+
+        for r, kids in enumerate(children):
+            d = 0 if r == 0 else depths[r - 1]
+            if d < depth_cap:
+                ref["present"][d, : ask(r)] += 1
+                ref["drafted"][d, : min(ask(r), len(kids))] += 1
+        r = 0
+        for d in range(min(len(path), depth_cap - 1) + 1):
+            ref["reached"][d, : ask(r)] += 1
+            if d < len(path):
+                if ranks[path[d]] < MAX_RANK:
+                    ref["accepted"][d, ranks[path[d]]] += 1
+                r = path[d] + 1
+        prof.observe(tree, path, asked)
+        if step == 150:
+            prof.decay(0.5)
+            for a in ref.values():
+                a *= 0.5
+    for name, want in ref.items():
+        assert np.allclose(getattr(prof, name), want), name
+    assert want.sum() > 0
+
+
 def test_prune_to_shape_keeps_rank_paths_in_order():
     tree = Tree(torch.tensor([-1, -1, 0, 0, 1, 2]), torch.tensor([10, 11, 12, 13, 14, 15]))
     q = torch.softmax(torch.randn(7, 20), -1)

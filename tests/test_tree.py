@@ -285,6 +285,24 @@ def test_tree_rejects_non_topological_parents(parents):
         Tree(torch.tensor(parents))
 
 
+@pytest.mark.parametrize("n", [5, 300])  # small trees are checked by a list scan, large ones by tensor ops
+@pytest.mark.parametrize("bad", ["self", "later", "below_root"])
+def test_both_parent_checks_name_the_first_bad_node(n, bad):
+    parents = list(range(-1, n - 1))
+    i = n - 2
+    parents[i] = {"self": i, "later": i + 1, "below_root": -3}[bad]
+    with pytest.raises(TreeError, match=rf"parents\[{i}\] = {parents[i]}: .* topological"):
+        Tree(parents)
+    assert Tree(list(range(-1, n - 1))).num_nodes == n
+
+
+def test_tree_keeps_an_int64_cpu_tensor_without_a_copy():
+    parents, tokens = torch.arange(4) - 1, torch.arange(4)
+    tree = Tree(parents, tokens)
+    assert tree.parents is parents and tree.tokens is tokens
+    assert Tree(torch.tensor([[-1, 0]]), torch.tensor([3, 4], dtype=torch.int32)).parents.shape == (2,)
+
+
 def test_tree_rejects_token_count_mismatch():
     with pytest.raises(TreeError, match="one token per node"):
         Tree(torch.tensor([-1, 0]), torch.tensor([5]))

@@ -234,3 +234,15 @@ def test_rewound_streams_equal_the_compacting_walk(seed):
         nxt.append(torch.stack([torch.rand(4, generator=gg) for gg in gens]))
     assert torch.equal(res[0].output_token_ids, res[1].output_token_ids)
     assert torch.equal(nxt[0], nxt[1])
+
+
+def test_cpu_commit_moves_only_pairs_out_of_place():
+    """`commit.moving_rows`: an accepted chain prefix is already in place (nothing to copy); a branch's node
+    moves to its depth's row, in step rows (request b's rows start at cu_num_rows[b])."""
+    from vllm_tree_spec.integration.commit import moving_rows
+
+    cu = torch.tensor([0, 7, 12])
+    acc = torch.tensor([[0, 1, 2, -1], [1, 3, -1, -1]])  # request 0: chain prefix; request 1: nodes 1, 3
+    assert moving_rows(cu, acc, torch.tensor([3, 0])) == ([], [])
+    # request 1's node 1 (row 2) -> row 1, node 3 (row 4) -> row 2; rows offset by 7
+    assert moving_rows(cu, acc, torch.tensor([3, 2])) == ([9, 11], [8, 9])

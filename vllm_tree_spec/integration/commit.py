@@ -96,7 +96,7 @@ def commit_step(runner, step, result) -> None:
     meta = step.meta
     plans = runner.__dict__.setdefault("_tree_commit_groups", {})
     host = not verify.sync_free(result.accepted_nodes.device)
-    if host:  # CPU: the moving pairs in numpy, once for every group (most steps' chains move nothing)
+    if host:  # CPU: the moving pairs from host lists, once for every group (most steps move nothing)
         src_rows, dst_rows = moving_rows(meta.cu_num_rows, result.accepted_nodes, result.num_accepted)
         if not src_rows:
             return
