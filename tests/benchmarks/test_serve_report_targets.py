@@ -43,3 +43,16 @@ def test_window_ratios_read_a_stored_run():
     c4 = out[1]
     windows = [float(w) for w in c4.split("(")[1].split(")")[0].split(", ")]
     assert len(windows) == 4 and "tok/s 0.957x" in c4 and sorted(windows)[1] <= 0.957 <= sorted(windows)[2]
+
+
+def test_window_ratios_name_the_pair_when_a_run_has_several_trees():
+    import window_ratios
+
+    folder = SERVE / "results" / "2026-12-04-cpu-smollm2" / "suffix-c4-gate-8windows"
+    out = window_ratios.lines(folder)
+    assert len(out) == 2 and all(ln.split()[1] == "c4" for ln in out)
+    assert out[0].endswith("[tree-suffix-D6 / linear-suffix-D6]")
+    assert out[1].endswith("[tree-suffix-nogate-D6 / linear-suffix-D6]")
+    assert len(out[1].split("(")[1].split(")")[0].split(", ")) == 8  # eight windows
+    single = window_ratios.lines(SERVE / "results" / "2026-12-04-cpu-smollm2" / "protocol-none-probe-suffix")
+    assert not any("[" in ln for ln in single)  # one tree configuration: no names
