@@ -207,6 +207,8 @@ def _demo_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--budget", type=int, default=6, help="verification budget D (draft tokens per step)")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens generated per prompt")
     p.add_argument("--concurrency", type=int, default=4, help="requests in flight")
+    p.add_argument("--repeats", type=int, default=3, choices=[1, 2, 3],
+                   help="windows of 8 fresh prompts per configuration, a pair's two servers in ABBA order")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
 
@@ -217,7 +219,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         return demo_main()
     from vllm_tree_spec.serve_compare import main as compare_main
 
-    return compare_main(args.model, args.budget, args.max_tokens, args.concurrency, args.out)
+    return compare_main(args.model, args.budget, args.max_tokens, args.concurrency, args.out, args.repeats)
 
 
 def _serve_args(p: argparse.ArgumentParser) -> None:

@@ -291,28 +291,76 @@ def test_datasets_and_humaneval_checker():
     assert humaneval_scores([raw_good], {p.id: p for p in he_raw}, True)["passed"] == 1
 
 
-def test_demo_client_uses_the_shared_launcher(fake_server, monkeypatch, tmp_path):
-    """`vllm-tree-spec demo` (serve_compare.run_config) through serve_launch, against the fake server."""
+def test_demo_pair_runs_side_by_side_in_abba_windows(fake_server, monkeypatch, tmp_path):
+    """`vllm-tree-spec demo` (serve_compare.run_session) through serve_launch, against two fake servers: both
+    up for every request, each warmed up outside the windows, fresh prompts per window, ABBA order, and the
+    speculation counters of the windows only."""
     from contextlib import contextmanager
 
     from vllm_tree_spec import serve_compare
     from vllm_tree_spec.serve_launch import Server
 
-    base = fake_server(per_request=TREE_COUNTERS)
-    seen = {}
+    bases = {"linear": fake_server(per_request=TREE_COUNTERS), "tree": fake_server(per_request=TREE_COUNTERS)}
+    up, calls = [], []
 
     @contextmanager
     def fake_launched(model, spec, *, name, log_dir, max_num_seqs, **kw):
-        seen.update(model=model, spec=spec, max_num_seqs=max_num_seqs)
-        yield Server(name, base, None, str(tmp_path / "log"), [])
+        assert (model, max_num_seqs) == ("m", 2)
+        up.append(name)
+        yield Server(name, bases[name], None, str(tmp_path / "log"), [])
+        up.remove(name)
+
+    real_post = serve_compare.post_json
+
+    def spy(url, body, **kw):
+        calls.append((url.split("/v1/")[0], body["messages"][0]["content"], sorted(up)))
+        return real_post(url, body, **kw)
 
     monkeypatch.setattr(serve_compare, "launched", fake_launched)
+    monkeypatch.setattr(serve_compare, "post_json", spy)
     spec = {"method": "tree", "drafter": "suffix", "num_speculative_tokens": 6}
-    res = serve_compare.run_config("tree", "m", spec, max_tokens=5, concurrency=2, log_dir=str(tmp_path))
-    assert seen == {"model": "m", "spec": spec, "max_num_seqs": 2}
-    assert res.tokens == 5 * len(serve_compare.PROMPTS) and len(res.texts) == len(serve_compare.PROMPTS)
-    assert res.drafts == 4 * len(serve_compare.PROMPTS)  # warm-up excluded by the counter delta
-    assert res.accepted_length == 3.0
+    lin, tree = serve_compare.run_session([("linear", {"method": "suffix"}), ("tree", spec)], "m", max_tokens=5,
+                                          concurrency=2, repeats=3, log_dir=str(tmp_path))
+    assert all(u == ["linear", "tree"] for *_, u in calls)  # the pair is up together throughout
+    assert calls[:2] == [(bases["linear"], serve_compare.WARMUP, ["linear", "tree"]),
+                         (bases["tree"], serve_compare.WARMUP, ["linear", "tree"])]
+    w = serve_compare.WINDOW
+    blocks = [calls[2 + i * w: 2 + (i + 1) * w] for i in range(6)]
+    assert all(len({b for b, *_ in block}) == 1 for block in blocks)  # one server at a time, a whole window
+    assert [block[0][0] for block in blocks] == [bases[n] for n in
+                                                 ["linear", "tree", "tree", "linear", "linear", "tree"]]  # ABBA
+    windows = [{p for _, p, _ in block} for block in blocks]
+    for i in range(3):  # the same fresh window to both servers; windows disjoint, the warm-up in none
+        assert windows[2 * i] == windows[2 * i + 1] == set(serve_compare.window(i))
+    assert not set(serve_compare.window(0)) & set(serve_compare.window(1)) and serve_compare.WARMUP not in \
+        set(serve_compare.PROMPTS)
+    for r in (lin, tree):
+        assert r.tokens == [5 * w] * 3 and [len(t) for t in r.texts] == [w] * 3
+        assert r.drafts == 4 * w * 3  # warm-up excluded by the counter deltas
+        assert r.accepted_length == 3.0
+
+
+def test_demo_table_reports_the_median_window_ratio_and_text_identity():
+    from vllm_tree_spec.serve_compare import RunResult, format_table
+
+    base, lin, tree = RunResult("no speculation", None), RunResult("lin", {}), RunResult("tree", {})
+    for tok_s_lin, tok_s_tree in [(10.0, 12.0), (10.0, 9.0), (20.0, 21.0)]:  # per-window ratios 1.2, 0.9, 1.05
+        base.add(["a", "b"], 100, 10.0, 0, 0)
+        lin.add(["a", "b"], 100, 100 / tok_s_lin, 10, 5)
+        tree.add(["a", "x"], 100, 100 / tok_s_tree, 10, 10)
+    table = format_table([base, lin, tree])
+    assert "output tok/s x1.050 (windows 1.200, 0.900, 1.050)" in table  # the median, not the pooled ratio
+    assert "accepted length x1.333" in table  # (1 + 30 / 30) / (1 + 15 / 30)
+    lines = table.splitlines()  # header, rule, no speculation, lin, tree
+    assert lines[3].endswith("yes") and lines[4].endswith("3/6")
+
+
+def test_demo_refuses_more_windows_than_it_ships_before_any_server(monkeypatch):
+    from vllm_tree_spec import serve_compare
+
+    monkeypatch.setattr(serve_compare, "launched", lambda *a, **k: pytest.fail("a server was started"))
+    with pytest.raises(ValueError, match="repeats = 4: the demo ships 3 windows of 8 fresh prompts"):
+        serve_compare.main(repeats=4)
 
 
 def test_request_rate_mode_is_open_loop(fake_server):
