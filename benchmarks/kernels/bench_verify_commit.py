@@ -8,6 +8,10 @@ one launch of
   verify_triton   `tree_verify_triton` (one program per request, walks its tree)
   verify_torch    `vllm_tree_spec.verify.verify_batch` (vectorised over all rows;
                   host syncs inside, so no CUDA-graph timing)
+  verify_served   `verify_batch` as the GPU serving path calls it (`integration/tree_sampler.py`):
+                  `sync_free=True`, greedy from the rows' argmax (computed in the call) without p;
+                  the case's coins drawn beforehand (serving draws them lazily). Its tree metadata
+                  goes host -> device inside, so no CUDA-graph timing either
 
 Commit: the same trees with an accepted root-to-leaf path per request (the
 deepest, i.e. the most copies), Llama-3-8B KV layout (32 layers, H_kv 8, D 128,
@@ -44,6 +48,8 @@ import torch
 
 FULL_GRID = {"batch": [1, 8, 64], "nodes": [4, 16, 64], "vocab": [32000, 128256],
              "modes": ["greedy", "deterministic", "sampled_without_replacement"]}  # fmt: skip
+NOT_CAPTURABLE = {"verify_torch": "host syncs inside verify_batch: not capturable",
+                  "verify_served": "tree metadata uploaded inside verify_batch(sync_free=True): not captured"}
 QUICK_GRID = {"batch": [1, 3], "nodes": [4], "vocab": [257], "modes": ["greedy", "sampled_without_replacement"]}
 
 
@@ -174,7 +180,13 @@ def verify_providers(case: VerifyCase, mode: str) -> dict[str, Callable[[], obje
     def torch_fn():
         return verify_batch(case.batch, case.p, q, mode, case.coins)
 
-    return {"verify_triton": triton_fn, "verify_torch": torch_fn}
+    greedy = mode == "greedy"
+
+    def served_fn():
+        return verify_batch(case.batch, None if greedy else case.p, q, mode, None if greedy else case.coins,
+                            target_argmax=case.p.argmax(-1), sync_free=True)
+
+    return {"verify_triton": triton_fn, "verify_torch": torch_fn, "verify_served": served_fn}
 
 
 def verify_bytes(case: VerifyCase, mode: str, num_accepted: torch.Tensor) -> int:
@@ -413,8 +425,8 @@ def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: f
                     for name, fn in provs.items():
                         for tmode in timer.modes:
                             row = {**key, "provider": name, "timer": tmode, "mean_accepted": depth}
-                            if tmode == "cudagraph" and name == "verify_torch":
-                                row.update(ms=None, note="host syncs inside verify_batch: not capturable")
+                            if tmode == "cudagraph" and name in NOT_CAPTURABLE:
+                                row.update(ms=None, note=NOT_CAPTURABLE[name])
                             else:
                                 try:
                                     ms = timer(fn, tmode)
@@ -440,6 +452,10 @@ def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: f
 
 def _cell(r: dict | None) -> str:
     return f"{r['ms']:.4f}" if r and r.get("ms") else "-"
+
+
+def _ratio(num: dict | None, den: dict | None) -> str:
+    return f"{num['ms'] / den['ms']:.1f}x" if num and den and num.get("ms") and den.get("ms") else "-"
 
 
 def markdown(report: dict) -> str:
@@ -468,19 +484,20 @@ def markdown(report: dict) -> str:
     res = report["results"]
     for tmode in meta["timer_modes"]:
         lines += ["", f"## Verification, {tmode} (ms; GB/s over visited rows' p [+E] [+q])", ""]
-        lines.append("| V | B | nodes | mode | mean acc | triton ms | torch ms | speed-up | triton GB/s | % copy |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("| V | B | nodes | mode | mean acc | triton ms | torch ms | speed-up | served ms | served / triton "
+                     "| triton GB/s | % copy |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
         keys = dict.fromkeys((r["vocab"], r["batch"], r["nodes"], r["mode"]) for r in res if r["kind"] == "verify")
         for k in keys:
             rows = {r["provider"]: r for r in res if r["kind"] == "verify" and r["timer"] == tmode
                     and (r["vocab"], r["batch"], r["nodes"], r["mode"]) == k}  # fmt: skip
-            tr, pt = rows.get("verify_triton"), rows.get("verify_torch")
-            speed = f"{pt['ms'] / tr['ms']:.1f}x" if tr and pt and tr.get("ms") and pt.get("ms") else "-"
+            tr, pt, sv = rows.get("verify_triton"), rows.get("verify_torch"), rows.get("verify_served")
+            speed, served = _ratio(pt, tr), _ratio(sv, tr)
             gb = f"{tr['gbps']:.0f}" if tr and tr.get("ms") else "-"
             frac = f"{100 * tr['gbps'] / meta['copy_gbps']:.0f}%" if tr and tr.get("ms") else "-"
             acc = f"{tr['mean_accepted']:.1f}" if tr else "-"
             lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {acc} | {_cell(tr)} | {_cell(pt)} | {speed} "
-                         f"| {gb} | {frac} |")  # fmt: skip
+                         f"| {_cell(sv)} | {served} | {gb} | {frac} |")  # fmt: skip
         lines += ["", f"## Commit, {tmode} (ms; GB/s = pairs x layers x (K+V) x row, read + write)", ""]
         lines.append("| B | nodes | pairs | layers | triton ms | torch ms | speed-up | triton GB/s | torch GB/s |")
         lines.append("|---|---|---|---|---|---|---|---|---|")

@@ -410,6 +410,15 @@ def test_bench_verify_commit_quick(tmp_path, monkeypatch):
     assert report["correctness"] and all(c["ok"] for c in report["correctness"])
     assert any(r["provider"] == "verify_triton" and r["ms"] for r in report["results"])
     assert any(r["provider"] == "commit_triton" and r["ms"] for r in report["results"])
+    assert any(r["provider"] == "verify_served" and r["ms"] for r in report["results"])
+    import bench_verify_commit as bench
+
+    for mode in ("greedy", "deterministic", "sampled_without_replacement"):  # the served call verifies the same
+        case = bench.make_verify_case(3, 4, 257, mode, torch.device("cpu"), seed=11)
+        provs = bench.verify_providers(case, mode)
+        ref, served = provs["verify_torch"](), provs["verify_served"]()
+        assert torch.equal(ref.output_token_ids, served.output_token_ids), mode
+        assert torch.equal(ref.num_accepted, served.num_accepted), mode
     sys.modules.pop("run_all", None)
     sys.modules.pop("bench_verify_commit", None)
 
