@@ -116,19 +116,20 @@ def server_args(spec: dict | None) -> list[str]:
     return ["--no-enable-prefix-caching"] if uses_head else []
 
 
+def chat(base: str, model: str, prompt: str, max_tokens: int) -> dict:
+    """One greedy chat completion."""
+    return post_json(base + "/v1/chat/completions", {
+        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+        "temperature": 0})
+
+
 def run_window(base: str, model: str, prompts: list[str], max_tokens: int, concurrency: int,
                result: RunResult) -> None:
     """Send one window's prompts (greedy, `concurrency` in flight) and add what came back to `result`."""
-
-    def chat(prompt: str) -> dict:
-        return post_json(base + "/v1/chat/completions", {
-            "model": model, "messages": [{"role": "user", "content": prompt}],
-            "max_tokens": max_tokens, "temperature": 0})
-
     d0, a0 = spec_counters(base)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        outs = list(pool.map(chat, prompts))
+        outs = list(pool.map(lambda prompt: chat(base, model, prompt, max_tokens), prompts))
     seconds = time.perf_counter() - t0
     time.sleep(0.5)  # the counters of the last step
     d1, a1 = spec_counters(base)
@@ -144,9 +145,7 @@ def run_session(configs: list[tuple[str, dict | None]], model: str, max_tokens: 
         bases = [stack.enter_context(launched(model, spec, name=name, log_dir=log_dir, max_num_seqs=concurrency,
                                               extra_args=server_args(spec))).base for name, spec in configs]
         for base in bases:
-            post_json(base + "/v1/chat/completions", {
-                "model": model, "messages": [{"role": "user", "content": WARMUP}], "max_tokens": max_tokens,
-                "temperature": 0})
+            chat(base, model, WARMUP, max_tokens)
         for w in range(repeats):
             order = range(len(configs)) if w % 2 == 0 else reversed(range(len(configs)))
             for i in order:
