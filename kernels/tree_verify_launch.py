@@ -11,7 +11,7 @@ modes, coins, EOS ids and token budgets -- integer outputs bit for bit. Greedy
 and deterministic requests match the current `verify_batch` unconditionally.
 Sampled requests reduce the residual mass with an order-independent
 fixed-point sum (`exact_row_sum`); they match `verify_batch` bit for bit when
-its row sums are the same (`verify_batch_exact_sums`, or verify.py with the
+its row sums are the same (`verify_batch_exact_sums`, or verify/ with the
 change proposed in docs/kernels.md), and otherwise agree except when a coin or
 a race lands within float rounding of a boundary (probability ~1e-16 per
 decision at float64, ~1e-7 at float32).

@@ -24,6 +24,7 @@ import step_harness  # noqa: E402
 from step_harness import SyncCounter, make_step, mark_case, run_step  # noqa: E402
 
 from vllm_tree_spec import verify  # noqa: E402
+from vllm_tree_spec.verify import batch as verify_batch_module  # noqa: E402  (where verify_batch looks up upload)
 from vllm_tree_spec.integration import commit, kv_layout, tree_sampler  # noqa: E402
 from vllm_tree_spec.tree import Tree, TreeBatch  # noqa: E402
 from vllm_tree_spec.verify import Mode, VerifyCoins, verify_batch  # noqa: E402
@@ -36,6 +37,7 @@ def _counted_step(monkeypatch, case):
     monkeypatch.setattr(tree_sampler, "sync_free", lambda device: True)  # the accelerator path
     monkeypatch.setattr(verify, "sync_free", lambda device: True)
     monkeypatch.setattr(verify, "upload", counter.counting_upload(verify.upload))
+    monkeypatch.setattr(verify_batch_module, "upload", counter.counting_upload(verify_batch_module.upload))
     monkeypatch.setattr(tree_sampler, "upload", counter.counting_upload(tree_sampler.upload))
     monkeypatch.setattr(tree_sampler, "_upload_floats", counter.counting_upload_floats(tree_sampler._upload_floats))
     mark_case(case)

@@ -19,7 +19,7 @@ fails loudly. The budget is the most draft nodes the target may verify for
 that request this step (0 = no speculation: an empty tree).
 
 What a proposal must say is *how its children were chosen*, because that
-decides which lossless verification rule applies (`verify.py`; exact-law checks in tests/test_verify_exact.py):
+decides which lossless verification rule applies (`verify/`; exact-law checks in tests/test_verify_exact.py):
 
     children chosen by                      mode                          draft_probs
     rank / count (top-k, n-gram, suffix)    DETERMINISTIC                 None (q := 1)

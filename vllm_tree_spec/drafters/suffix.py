@@ -11,7 +11,7 @@ continuations) and a `score`. vLLM 0.32 only uses it as a chain.
 
 The children come from counts, not from sampling a distribution, so the tree
 is verified with the deterministic rule (q := 1, sample-and-match: one draw
-y ~ p per visited node, accept the child equal to y; `verify.py`, README
+y ~ p per visited node, accept the child equal to y; `verify/`, README
 "Lossless guarantees"). Feeding `probs` into min(1, p / q) would be lossy, so
 no q is returned.
 
