@@ -27,13 +27,13 @@ from vllm_tree_spec.online_policy import (
     OnlinePolicy,
     Plan,
     ShapePolicy,
-    _linear_yield,
     bucket_of,
     linear_nodes,
     prune_to_linear,
     prune_to_shape,
     structure,
 )
+from vllm_tree_spec.online_policy.driver import _linear_yield
 from vllm_tree_spec.tree import Tree
 from vllm_tree_spec.verify import Mode
 

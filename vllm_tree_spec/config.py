@@ -20,7 +20,7 @@ Keys (see README for the table):
                        "sample_without_replacement"
     budgets            "auto" (default): the online shape policy re-plans the drafted tree (a tree, a chain or
                        no speculation) per batch-size bucket from measured acceptance and step costs
-                       (online_policy.py, docs/planner.md section 4); or a static table {"batch size": max
+                       (online_policy/, docs/planner.md section 4); or a static table {"batch size": max
                        nodes}: the node budget for batches up to that size (0 switches speculation off there)
     replan_every, explore_every   budgets "auto": steps between re-plans (256), base period of the
                        unpruned exploration steps (16)
@@ -235,7 +235,7 @@ class TreeSpecConfig(BaseModel):
 
     def budget_for(self, batch_size: int) -> int:
         """Max draft nodes per request at this batch size."""
-        if self.budgets == "auto":  # the online shape policy prunes below this (online_policy.py)
+        if self.budgets == "auto":  # the online shape policy prunes below this (online_policy/)
             return self.max_nodes
         for bs in sorted(self.budgets):
             if batch_size <= bs:

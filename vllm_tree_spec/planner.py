@@ -336,7 +336,7 @@ def candidate_trees(
     """Every distinct Sequoia-optimal tree (budget <= max_nodes, depth limit <= max_depth) with its E[tokens].
 
     Ordered by node count, then depth limit: the search space of `plan_trees`, for callers that score
-    candidates with their own costs (the online shape policy, `online_policy.py`). Ranks whose
+    candidates with their own costs (the online shape policy, `online_policy/`). Ranks whose
     acceptance is 0 at every depth are left out, and a tree is built once per distinct shape, so a
     re-plan stays cheap. every_depth=False solves the deepest limit only (one tree per budget): enough
     when the cost of a tree does not depend on its depth.
