@@ -18,8 +18,8 @@ alpha and gamma drafts emit E[N] = 1 + alpha + ... + alpha^gamma per step;
 Trees spend the budget on width. With a measured acceptance table a[d][r]
 (the probability that the rank-r child of an accepted depth d - 1 node is
 the accepted one) the expected tokens of any tree are
-`build.expected_accepted_length` and the best n-node tree of depth <= L is
-Sequoia's DP (`build.optimal_static_trees`). Extra nodes are nearly free
+`sequoia.expected_accepted_length` and the best n-node tree of depth <= L is
+Sequoia's DP (`sequoia.optimal_static_trees`). Extra nodes are nearly free
 while the verify forward is memory-bound and cost ~linearly once B * tokens
 passes the GEMM knee, so the best budget shrinks as the batch grows and
 speculation stops paying at some batch size. `plan_trees` searches every
@@ -45,7 +45,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vllm_tree_spec.build import (
+from vllm_tree_spec.sequoia import (
     _sequoia_paths,
     _solve_sequoia,
     acceptance_table,
@@ -367,7 +367,7 @@ def plan_trees(
     """The tree maximising tokens per ms at each batch size.
 
     Args:
-        acceptance: a[r] or a[d][r] (see `build.acceptance_table`).
+        acceptance: a[r] or a[d][r] (see `sequoia.acceptance_table`).
         cost: measured stage costs.
         batch_sizes: batch sizes to plan for.
         max_nodes: largest budget considered (draft nodes, root excluded).
