@@ -28,7 +28,7 @@ FP4 + Hadamard (indexer) quantisation and vLLM's 584- / 132-byte row packing
 
 Inputs for a tree step: `gather` = `tree_window_slots_*(rows, state_row_slots,
 state_block_table, ..., window=coff * m, align="position")` and `write_slots` =
-`tree_entry_slots_*(...).write` (dsv4_tree_meta_launch.py). Main and indexer
+`tree_entry_slots_*(...).write` (dsv4_tree_meta_launch.py, dsv4_tree_meta_reference.py). Main and indexer
 compressors of a CSA layer are two calls (D = head_dim / index_head_dim).
 """
 

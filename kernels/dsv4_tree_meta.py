@@ -1,9 +1,9 @@
 """Triton kernels for DeepSeek-V4 tree metadata and the accepted-path commit (`@triton.jit` code only).
 
-Typed launchers (whose docstrings define every list precisely) and the
-PyTorch twins are in `vllm_tree_spec.kernels.dsv4_tree_meta_launch`; the
-semantics are those of the reference model's `tree` policy
-(`vllm_tree_spec/reference/dsv4_plan.py`).
+Typed launchers are in `vllm_tree_spec.kernels.dsv4_tree_meta_launch`; every
+list is defined precisely, beside its PyTorch twin, in
+`vllm_tree_spec.kernels.dsv4_tree_meta_reference`; the semantics are those of
+the reference model's `tree` policy (`vllm_tree_spec/reference/dsv4_plan.py`).
 
 Rows. A step holds R flattened query rows; a request's rows are its root (the
 last sampled token, position P = committed length) and its draft nodes at

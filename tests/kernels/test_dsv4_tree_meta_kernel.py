@@ -1,7 +1,7 @@
 """DeepSeek-V4 tree index lists and commit: twins vs the reference model, kernels vs twins (exact).
 
 Three layers of checks:
-  1. the PyTorch twins (`dsv4_tree_meta_launch.*_reference`) produce exactly the
+  1. the PyTorch twins (`dsv4_tree_meta_reference.*_reference`) produce exactly the
      reference model's tree plan (`reference/dsv4_plan.py::build_plan`, policy
      "tree"): window, pooling gathers, entry write slots and visible entries,
      in the reference's virtual slot space; and the commit equals the reference
@@ -42,16 +42,18 @@ if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 
 load_kernels_package()
 from vllm_tree_spec.kernels.dsv4_tree_meta_launch import (  # noqa: E402
+    tree_commit_rows_triton,
+    tree_entry_slots_triton,
+    tree_topk_slots_triton,
+    tree_window_slots_triton,
+)
+from vllm_tree_spec.kernels.dsv4_tree_meta_reference import (  # noqa: E402
     DSV4TreeRows,
     commit_pairs,
     tree_commit_rows_reference,
-    tree_commit_rows_triton,
     tree_entry_slots_reference,
-    tree_entry_slots_triton,
     tree_topk_slots_reference,
-    tree_topk_slots_triton,
     tree_window_slots_reference,
-    tree_window_slots_triton,
 )
 
 CFG = DSV4Config()  # layers [SWA, CSA 4, HCA 8, CSA 4], W = 8
