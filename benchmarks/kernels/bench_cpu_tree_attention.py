@@ -7,12 +7,16 @@ tree of `nodes` draft nodes (a complete binary tree). Providers, per layer:
                  nodes + 1 rows (what linear speculation with `nodes` drafts costs)
   tree_op        the tree kernel's op call alone on the step's prepared requests
                  (kernel against kernel: `stock_causal` is one op call too)
-  tree_kernel    `TreeCPUAttentionImpl._tree_forward` on its default path: the same
+  tree_kernel    `TreeCPUAttentionImpl._tree_forward` on its kernel path: the same
                  kernel call with the tree requests' rows as 1-key placeholders, then
                  the C++ tree kernel (`kernels/cpu_tree_attention.cpp`) for the root and
                  nodes of every branching tree (the per-step plan is built once per
                  step and shared by every layer, so it is not timed; `plan_ms` reports it)
-  tree_split     the same override on its split path (VLLM_TREE_SPEC_CPU_TREE_KERNEL=0):
+  tree_decode    the same override on its default path (VLLM_TREE_SPEC_CPU_TREE_ATTENTION=decode): the
+                 placeholder call, then vLLM's kernel on one causal sequence per chain of each tree
+                 (prefix + path; the path written over the draft slots for its wave, restored after):
+                 bit-identical to vLLM's decode of every path
+  tree_split     the same override on its split path (VLLM_TREE_SPEC_CPU_TREE_ATTENTION=split):
                  vLLM's kernel with the tree requests split into prefix-only rows, the
                  side log-sum-exp, the tree part and the merge
   previous       what this override did before the one-pass split: the stock kernel on
@@ -26,27 +30,25 @@ Providers are timed interleaved, each round in a fresh seeded random order (a ca
 time depends on what ran before it: up to 15 % for the same call at batch 1 on two
 threads), `repeats` rounds or more (small
 configs run rounds for ~1 s, at most 500: a 0.2 ms call is noisy in 7 samples), median per
-provider; ratio = tree_kernel / stock_causal (target <= 1.10), split_ratio =
-tree_split / stock_causal. A correctness gate compares both tree paths with the
+provider; ratio = tree_kernel / stock_causal, decode_ratio = tree_decode / stock_causal,
+split_ratio = tree_split / stock_causal. A correctness gate compares both tree paths with the
 float64 per-node path oracle first. Shape: SmolLM2-135M attention (9 query heads,
 3 kv heads, head_dim 64, block 128; float32, or --dtype bfloat16 as served), one
 thread (OMP_NUM_THREADS=1) unless OMP_NUM_THREADS says otherwise.
 
-    OMP_NUM_THREADS=1 python benchmarks/kernels/bench_cpu_tree_attention.py           # ~3 min on 1 core
-    OMP_NUM_THREADS=1 python benchmarks/kernels/bench_cpu_tree_attention.py --quick
-    OMP_NUM_THREADS=1 python benchmarks/kernels/bench_cpu_tree_attention.py --dtype bfloat16
+    OMP_NUM_THREADS=1 python benchmarks/kernels/run_all.py --only bench_cpu_tree_attention    # ~5 min on 1 core
+    OMP_NUM_THREADS=1 python benchmarks/kernels/run_all.py --only bench_cpu_tree_attention --quick
+    OMP_NUM_THREADS=1 python benchmarks/kernels/run_all.py --only bench_cpu_tree_attention --dtype bfloat16
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -120,7 +122,8 @@ def providers(case) -> dict:
 
     from vllm_tree_spec.integration.tree_step import TreeStep
 
-    steps = {"kernel": TreeStep(case.reqs), "split": TreeStep(case.reqs)}  # one cached plan per path
+    steps = {path: TreeStep(case.reqs)  # one cached plan per path
+             for path in ("kernel", "split", "decode")}
     for path, step in steps.items():
         with _path(path):
             case.impl._tree_forward(case.layer, step, case.query, kv, md, out)  # builds the step's plan
@@ -137,6 +140,9 @@ def providers(case) -> dict:
 
     def split():
         case.impl._tree_forward(case.layer, steps["split"], case.query, kv, md, out)
+
+    def decode():
+        case.impl._tree_forward(case.layer, steps["decode"], case.query, kv, md, out)
 
     def previous():
         stock()
@@ -155,17 +161,18 @@ def providers(case) -> dict:
         step = TreeStep(case.reqs)
         cpu_attention._plan(step, md, BLOCK, 0, HEADS, KV_HEADS, HEAD_DIM, case.dtype, "vec", "auto")
 
-    return {"stock_causal": stock, "tree_kernel": tree, "tree_op": tree_op, "tree_split": split, "previous": previous,
+    return {"stock_causal": stock, "tree_kernel": tree, "tree_op": tree_op, "tree_split": split,
+            "tree_decode": decode, "previous": previous,
             "lse_only": lse_only, "plan": plan_build}
 
 
 class _path:
-    """Build plans on one tree path: "kernel" (the default) or "split"."""
+    """Build plans on one tree path: "decode" (the default), "kernel" or "split"."""
 
     def __init__(self, path: str):
-        from vllm_tree_spec.integration.cpu_attention import KERNEL_ENV
+        from vllm_tree_spec.integration.cpu_attention import MODE_ENV
 
-        self.env, self.value = KERNEL_ENV, "1" if path == "kernel" else "0"
+        self.env, self.value = MODE_ENV, path
 
     def __enter__(self):
         self.old = os.environ.get(self.env)
@@ -232,14 +239,16 @@ def correctness(case, path: str) -> float:
 
 def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: float = 270.0,
         repeats: int | None = None, shape: str = "binary", dtype: torch.dtype = torch.float32) -> dict:
-    from vllm_tree_spec.integration.cpu_attention import use_tree_kernel
+    from vllm_tree_spec.integration.cpu_attention import tree_attention_mode
 
-    if not use_tree_kernel():
+    with _path("kernel"):
+        kernel_ok = tree_attention_mode() == "kernel"
+    if not kernel_ok:
         raise SystemExit("the C++ tree kernel is not available here (see cpu_tree_attention_launch.available())")
     grid = QUICK_GRID if quick else FULL_GRID
     repeats = repeats or (3 if quick else 7)
     gate = make_case(2, 300 if not quick else 40, 6, seed=1, shape=shape)  # float32: a tight gate
-    err = {path: correctness(gate, path) for path in ("kernel", "split")}
+    err = {path: correctness(gate, path) for path in ("kernel", "split", "decode")}
     report = {"tree": shape, "shape": f"H_q={HEADS}, H_kv={KV_HEADS}, D={HEAD_DIM}, block={BLOCK}, "
                                       f"{str(dtype).replace('torch.', '')}",
               "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
@@ -279,11 +288,13 @@ def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: f
                        **{f"{k}_ms": v for k, v in med.items()},
                        "ratio": med["tree_kernel"] / med["stock_causal"],
                        "op_ratio": med["tree_op"] / med["stock_causal"],
+                       "decode_ratio": med["tree_decode"] / med["stock_causal"],
                        "split_ratio": med["tree_split"] / med["stock_causal"]}
                 report["results"].append(row)
                 print(f"B={batch:3d} ctx={context:5d} nodes={nodes}: stock {med['stock_causal']:.3f} ms, "
                       f"kernel {med['tree_kernel']:.3f} ms ({row['ratio']:.2f}x; op alone {row['op_ratio']:.2f}x), "
                       f"split {med['tree_split']:.3f} ms ({row['split_ratio']:.2f}x), "
+                      f"decode {med['tree_decode']:.3f} ms ({row['decode_ratio']:.2f}x), "
                       f"previous {med['previous']:.3f} ms ({med['previous'] / med['stock_causal']:.2f}x), "
                       f"lse {med['lse_only']:.3f} ms, "
                       f"plan {med['plan']:.3f} ms", flush=True)
@@ -292,12 +303,12 @@ def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: f
           f"median; "
           f"correctness gate max |err| = {max(err.values()):.1e}", "",
           "| batch | context | nodes | rounds | stock causal ms | tree kernel ms | ratio | op alone | tree split ms "
-          "| ratio | previous ms | ratio | side LSE ms | plan ms (per step) |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| ratio | tree decode ms | ratio | previous ms | ratio | side LSE ms | plan ms (per step) |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         md.append(f"| {r['batch']} | {r['context']} | {r['nodes']} | {r['rounds']} | {r['stock_causal_ms']:.3f} | "
                   f"{r['tree_kernel_ms']:.3f} | {r['ratio']:.2f} | {r['op_ratio']:.2f} | {r['tree_split_ms']:.3f} | "
-                  f"{r['split_ratio']:.2f} | "
+                  f"{r['split_ratio']:.2f} | {r['tree_decode_ms']:.3f} | {r['decode_ratio']:.2f} | "
                   f"{r['previous_ms']:.3f} | "
                   f"{r['previous_ms'] / r['stock_causal_ms']:.2f} | {r['lse_only_ms']:.3f} | {r['plan_ms']:.3f} |")
     if out_dir is not None:
@@ -306,23 +317,3 @@ def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: f
         (out / "bench_cpu_tree_attention.json").write_text(json.dumps(report, indent=2))
         (out / "bench_cpu_tree_attention.md").write_text("\n".join(md) + "\n")
     return report
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--repeats", type=int, default=None)
-    ap.add_argument("--tree", default="binary", choices=["binary", "chain"], help="draft tree shape (15 nodes)")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    args = ap.parse_args(argv)
-    root = Path(__file__).resolve().parents[2]
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    run(quick=args.quick, out_dir=args.out, repeats=args.repeats, time_budget_s=1e9, shape=args.tree,
-        dtype=getattr(torch, args.dtype))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,7 @@
 """Benchmark: DeepSeek-V4 tree metadata, compressor and commit vs a DeepSeek-V4-Flash-shaped verify step.
 
-Target (project issue 4): "commit plus index-list construction under 5 % of a
-verify step of a DeepSeek-V4-shaped layer stack".
+The question: are commit plus index-list construction under 5 % of a verify step of a
+DeepSeek-V4-shaped layer stack?
 
 What one tree step costs us (all timed, one call = one step of the whole model):
 
@@ -646,20 +646,3 @@ def markdown(report: dict) -> str:
     if report["skipped_over_budget"]:
         lines += ["", f"Skipped (time budget): {report['skipped_over_budget']}"]
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    import argparse
-    import sys
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    if a.quick and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    root = Path(__file__).resolve().parents[2]
-    for p in (str(root), str(Path(__file__).resolve().parent)):
-        if p not in sys.path:
-            sys.path.insert(0, p)
-    print(markdown(run(quick=a.quick, out_dir=a.out)))

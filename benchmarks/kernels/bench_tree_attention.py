@@ -496,13 +496,3 @@ def markdown(report: dict) -> str:
     if report["skipped_over_budget"]:
         lines += ["", f"Skipped (time budget): {report['skipped_over_budget']}"]
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    import argparse
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    print(markdown(run(quick=a.quick, out_dir=a.out)))

@@ -519,19 +519,3 @@ def markdown(report: dict) -> str:
     if report["skipped_over_budget"]:
         lines += ["", f"Skipped (time budget): {report['skipped_over_budget']}"]
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    import argparse
-    import sys
-
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=None)
-    a = ap.parse_args()
-    if a.quick and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    root = Path(__file__).resolve().parents[2]
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    print(markdown(run(quick=a.quick, out_dir=a.out)))

@@ -1,7 +1,7 @@
 """Tile sweep for the Triton tree-attention kernel: `pick_config`'s tiles vs a grid, per workload.
 
-    python benchmarks/kernels/tune_tree_attention.py --out DIR             # GPU, ~4 min on an H200
-    python benchmarks/kernels/tune_tree_attention.py --quick --out DIR     # CPU smoke (Triton interpreter)
+    python benchmarks/kernels/run_all.py --only tune_tree_attention --out DIR          # GPU, ~4 min on an H200
+    python benchmarks/kernels/run_all.py --only tune_tree_attention --quick --out DIR  # CPU smoke (interpreter)
 
 For each (batch, nodes, context) of Llama-3-8B attention (bench_tree_attention's shape and complete binary
 trees), every config of the grid is checked against the heuristic config's output (same math, other tiles:
@@ -12,15 +12,10 @@ memory) are recorded as such.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
-import sys
 import time
 from pathlib import Path
-
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 
 WORKLOADS = [(1, 15, 8192), (1, 63, 8192), (8, 15, 8192), (8, 63, 1024), (8, 63, 8192), (64, 15, 8192),
              (64, 63, 8192)]
@@ -29,17 +24,8 @@ QUICK_WORKLOADS = [(1, 4, 40)]
 QUICK_GRID = {"block_m": [16, 32], "block_n": [16], "num_warps": [4], "num_stages": [2]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "runs" / "kernels"))
-    ap.add_argument("--time-budget", type=float, default=240.0, help="seconds before skipping the rest")
-    args = ap.parse_args(argv)
-
-    sys.path.insert(0, str(HERE))
-    from run_all import prepare
-
-    prepare(args.quick)
+def run(quick: bool = False, out_dir: str | Path | None = None, time_budget_s: float = 240.0) -> dict:
+    """The sweep (run_all.py --only tune_tree_attention); writes tune_tree_attention.{json,md} into out_dir."""
     import torch
     import triton
     from bench_tree_attention import FULL_SHAPE, QUICK_SHAPE, Timer, make_inputs
@@ -47,10 +33,10 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_tree_spec.kernels.tree_attention_launch import TreeAttentionConfig, pick_config, tree_attention_triton
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = QUICK_SHAPE if args.quick else FULL_SHAPE
-    workloads = QUICK_WORKLOADS if args.quick else WORKLOADS
-    grid = QUICK_GRID if args.quick else GRID
-    timer = Timer(device, args.quick)
+    shape = QUICK_SHAPE if quick else FULL_SHAPE
+    workloads = QUICK_WORKLOADS if quick else WORKLOADS
+    grid = QUICK_GRID if quick else GRID
+    timer = Timer(device, quick)
     mode = "cudagraph" if device.type == "cuda" else "wallclock"
     t_start = time.perf_counter()
     rows = []
@@ -63,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
         entry = {"batch": batch, "nodes": nodes, "context": ctx, "default": default.__dict__, "configs": []}
         swept = [TreeAttentionConfig(max(bm, group), bn, nw, ns) for bm, bn, nw, ns in itertools.product(*grid.values())]
         for cfg in [default] + [c for c in dict.fromkeys(swept) if c != default]:
-            if time.perf_counter() - t_start > args.time_budget:
+            if time.perf_counter() - t_start > time_budget_s:
                 entry["configs"].append({"skipped": "time budget"})
                 break
             rec = {**cfg.__dict__, "default": cfg == default}
@@ -89,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
               "torch": torch.__version__, "triton": triton.__version__, "mode": mode,
               "shape": shape.describe(), "grid": grid, "elapsed_s": time.perf_counter() - t_start,
               "workloads": rows}
-    out = Path(args.out)
+    out = Path(out_dir if out_dir is not None else ".")
     out.mkdir(parents=True, exist_ok=True)
     (out / "tune_tree_attention.json").write_text(json.dumps(report, indent=1))
     lines = [f"# Tree attention tile sweep ({report['device']}, triton {report['triton']}, {mode}, ms)", "",
@@ -103,9 +89,4 @@ def main(argv: list[str] | None = None) -> int:
         lines.append(f"| {e['batch']} | {e['nodes']} | {e['context']} | {t(d)} | {e['default_ms']:.4f} | {t(b)} | "
                      f"{b['ms']:.4f} | {e['speedup']:.2f}x |")
     (out / "tune_tree_attention.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return report

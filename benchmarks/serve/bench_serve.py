@@ -1,14 +1,18 @@
 """Serving benchmark: tree vs vLLM linear speculation vs none, driven through the OpenAI server.
 
-    python benchmarks/serve/bench_serve.py --preset cpu-d6          # the recorded CPU run (docs/benchmarks.md)
-    python benchmarks/serve/bench_serve.py --preset gpu-full        # D 4..8, concurrency 1..64, rate mode
-    python benchmarks/serve/bench_serve.py --preset cpu-eagle3      # EAGLE-3 head vs vLLM's linear eagle3 (--head)
-    python benchmarks/serve/bench_serve.py --preset cpu-parity      # issue 13: chain-shaped tree vs linear n-gram
-    python benchmarks/serve/bench_serve.py --preset cpu-policy      # issue 13: default shape policy vs linear
+    python benchmarks/serve/bench_serve.py --preset cpu-suffix --dry-run   # what would run
+    python benchmarks/serve/bench_serve.py --preset cpu-suffix     # a table of docs/benchmarks.md (also cpu-ngram,
+                                                                   # cpu-eagle3, cpu-eagle3-static, cpu-draft)
+    python benchmarks/serve/bench_serve.py --preset gpu            # the GPU grid (also gpu-eagle3)
+    python benchmarks/serve/bench_serve.py --preset parity         # chain-shaped tree vs linear n-gram
+    python benchmarks/serve/bench_serve.py --preset policy         # default shape policy vs linear, c = 1..64
+    python benchmarks/serve/bench_serve.py --preset soak           # 64 streams x 500 mixed requests, leaks, RSS
     python benchmarks/serve/bench_serve.py --configs off,linear-suffix,tree-suffix --budgets 6 \\
-        --concurrency 1,4 --num-prompts 8,16 --max-tokens 128 --out runs/serve/mine
+        --concurrency 1,4 --num-prompts 8,16 --max-tokens 128 --out /tmp/mine
     python benchmarks/serve/bench_serve.py --base-url http://127.0.0.1:8000 --label my-server ...
-    python benchmarks/serve/serve_report.py runs/serve/mine           # re-render table + plots
+    python benchmarks/serve/serve_report.py /tmp/mine              # re-render report.md, summary.json, plots
+
+Output goes to --out, by default ~/.cache/vllm-tree-spec/bench/serve/<preset or "custom"> (outside the checkout).
 
 For every configuration a server is started the way users start one (`vllm-tree-spec serve MODEL
 --speculative-config ...`, the CPU stand-in for `vllm serve`; vllm_tree_spec/serve_launch.py), with the
@@ -25,8 +29,8 @@ CHAMP math chat; serve_datasets.py), greedy by default (temperature 0; --tempera
 sample, with a per-request seed), the same max_tokens, EOS and each dataset's stop strings. Slices are
 identical across configurations, so greedy outputs are compared prompt by prompt with speculation off
 (sampled runs are lossless in distribution, which the test suite checks; their texts are not compared).
-One JSON per run under OUT/runs/, then OUT/report.md, OUT/summary.json
-and PNG plots (serve_report.py). Every run JSON records hardware, versions, date and the command that
+One JSON per run under OUT/runs/, then OUT/report.md, OUT/summary.json,
+PNG plots and the shape policy's plan changes from the server logs (serve_report.py). Every run JSON records hardware, versions, date and the command that
 reproduces it.
 
 Configurations (`--configs`, D from `--budgets`):
@@ -120,58 +124,53 @@ EAGLE3_SAMPLED = "off,linear-eagle3,linear-eagle3-prob,tree-eagle3-dynamic,tree-
 PROFILE_RANKS = 3  # probe servers R = 1..3 (eagle3_profile.py): the profile's sibling ranks
 PROFILE_MAX_DEPTH = 8
 
+# The tree/linear pairs of docs/benchmarks.md's CPU tables: both servers up for the whole run, 4 (3) windows of
+# fresh prompts in ABBA order at c = 1, 4, 16, 64, one prompt per slot (c = 64 is one wave), 64 tokens.
+_PAIR = dict(budgets="6", concurrency="1,4,16,64", num_prompts="8,16,32,64", prompts_per_slot=1, max_tokens=64,
+             warmup=2, server_per="session", max_num_seqs=64)
 PRESETS: dict[str, dict] = {
-    # The run recorded in docs/benchmarks.md: 2 CPU cores, SmolLM2-135M, D = 6, concurrency 1 and 4.
-    "cpu-d6": dict(configs="off,linear-suffix,tree-suffix,linear-suffix-wide,tree-suffix-wide,linear-ngram,tree-ngram",
-                   budgets="6",
-                   concurrency="1,4", num_prompts="8,16", max_tokens=128, warmup=1,
-                   out="runs/serve/cpu-d6"),
-    # Draft-model rows on CPU (synthetic draft, see synthetic_draft.py): acceptance only.
-    "cpu-draft-d6": dict(configs="off,linear-draft,tree-draft-static,tree-draft-dynamic", budgets="6",
-                         concurrency="1", num_prompts="6", max_tokens=96, warmup=1, draft="noisy:0.1",
-                         out="runs/serve/cpu-draft-d6"),
-    # What the issue asks for on real hardware (needs vLLM on a GPU; hours, not minutes).
-    "gpu-full": dict(configs="off,linear-suffix,tree-suffix,tree-suffix-fallback,linear-ngram,tree-ngram",
-                     budgets="4,5,6,7,8", concurrency="1,2,4,8,16,32,64", request_rate="1,4,16",
-                     num_prompts="32", prompts_per_slot=4, max_tokens=512, warmup=4, max_num_seqs=64,
-                     out="runs/serve/gpu-full"),
-    # EAGLE-3 head vs vLLM's linear EAGLE-3 at equal budget (issue 12 item 4). --head defaults to the shipped head.
-    # On 2 CPU cores (~20-30 min each): greedy, and the T = 1 variant against the probabilistic chain.
-    "cpu-eagle3": dict(configs=EAGLE3_GREEDY, budgets="4,6,8", concurrency="1,4", num_prompts="4,8", max_tokens=64,
-                       warmup=1, no_enable_prefix_caching=True, profile_prompts=6, out="runs/serve/cpu-eagle3"),
-    "cpu-eagle3-t1": dict(configs=EAGLE3_SAMPLED, budgets="6", concurrency="1,4", num_prompts="4,8", max_tokens=64,
-                          warmup=1, temperature=1.0, no_enable_prefix_caching=True, profile_prompts=6,
-                          out="runs/serve/cpu-eagle3-t1"),
+    # docs/benchmarks.md, "CPU": 2 cores, SmolLM2-135M, D = 6 (~35 min each on 2 idle cores).
+    "cpu-suffix": dict(configs="linear-suffix,tree-suffix", repeats=4, **_PAIR),
+    "cpu-ngram": dict(configs="linear-ngram,tree-ngram", repeats=3, **_PAIR),
+    # EAGLE-3 head (--head, default the shipped one) vs vLLM's linear eagle3, c = 1 and 4, 3 interleaved repeats.
+    "cpu-eagle3": dict(configs=EAGLE3_GREEDY, budgets="6", concurrency="1,4", num_prompts="4,8", max_tokens=64,
+                       warmup=1, repeats=3, no_enable_prefix_caching=True, profile_prompts=6),
     # Tokens per round at equal verification budget: every tree verifies its D nodes at every step (no policy).
     "cpu-eagle3-static": dict(configs=EAGLE3_GREEDY, budgets="4,6,8", concurrency="1", num_prompts="8",
                               max_tokens=64, warmup=1, no_enable_prefix_caching=True, profile_prompts=6,
-                              tree_budgets="static", out="runs/serve/cpu-eagle3-static"),
-    "cpu-eagle3-t1-static": dict(configs=EAGLE3_SAMPLED.replace("off,", ""), budgets="6", concurrency="1,4",
-                                 num_prompts="8,16", max_tokens=64, warmup=1, temperature=1.0,
-                                 no_enable_prefix_caching=True, profile_prompts=6, tree_budgets="static",
-                                 out="runs/serve/cpu-eagle3-t1-static"),
-    # The issue's full grid (D 4..8, c 1/4/16, greedy and T = 1, 3 interleaved repeats): hours, idle machine.
-    "gpu-eagle3": dict(configs=EAGLE3_GREEDY, budgets="4,5,6,7,8", concurrency="1,4,16", num_prompts="16",
+                              tree_budgets="static"),
+    # Draft-model rows (synthetic draft, synthetic_draft.py): acceptance only, its speed means nothing.
+    "cpu-draft": dict(configs="off,linear-draft,tree-draft-static,tree-draft-dynamic", budgets="6",
+                      concurrency="1", num_prompts="6", max_tokens=96, warmup=1, draft="noisy:0.1"),
+    # The GPU grid (needs vLLM on a GPU; hours): D 4..8, concurrency 1..64, Poisson rates.
+    "gpu": dict(configs="off,linear-suffix,tree-suffix,linear-ngram,tree-ngram", budgets="4,5,6,7,8",
+                concurrency="1,4,16,64", request_rate="1,4,16", num_prompts="32", prompts_per_slot=4,
+                max_tokens=512, warmup=4, max_num_seqs=64),
+    "gpu-eagle3": dict(configs=EAGLE3_GREEDY, budgets="4,5,6,7,8", concurrency="1,4,16,64", num_prompts="16",
                        prompts_per_slot=4, max_tokens=256, warmup=2, repeats=3, no_enable_prefix_caching=True,
-                       profile_prompts=32, out="runs/serve/gpu-eagle3"),
-    "gpu-eagle3-t1": dict(configs=EAGLE3_SAMPLED, budgets="4,5,6,7,8", concurrency="1,4,16", num_prompts="16",
-                          prompts_per_slot=4, max_tokens=256, warmup=2, repeats=3, temperature=1.0,
-                          no_enable_prefix_caching=True, profile_prompts=32, out="runs/serve/gpu-eagle3-t1"),
-    # Issue 13's targets (docs/benchmarks.md, "Per-stage step profile"), 3 interleaved repeats, medians of the
-    # per-repeat ratios in the report. Overhead parity: a chain-shaped tree vs vLLM's linear n-gram at the same
-    # budget, c = 1, 4, 16 (estimated 20-25 min on 2 idle cores: 9 servers, 27 runs of 96 tokens).
-    "cpu-parity": dict(configs="off,linear-ngram,tree-ngram-chain", budgets="6", concurrency="1,4,16",
-                       num_prompts="6,12,32", max_tokens=96, warmup=1, repeats=3, out="runs/serve/cpu-parity"),
-    # Never below linear: the default shape policy (budgets "auto") vs linear n-gram and suffix, c = 1..64
-    # (estimated 25-30 min on 2 idle cores: 12 servers, 48 runs of 64 tokens; one prompt per slot: c = 64 is one wave).
-    # The policy re-plans every 256 steps of a server's life (its runs share one server per repeat).
-    "cpu-policy": dict(configs="linear-ngram,tree-ngram,linear-suffix,tree-suffix", budgets="6",
-                       concurrency="1,4,16,64", num_prompts="4,8,16,64", prompts_per_slot=1, max_tokens=64,
-                       warmup=2, repeats=3, out="runs/serve/cpu-policy"),
-    # Smallest real run (tests, sanity): two configs, 2 prompts.
+                       profile_prompts=32),
+    # Overhead parity: a chain-shaped tree (tree-ngram-chain: "tree": "chain:6", static budget) vs vLLM's linear
+    # n-gram at the same budget; what a tree engine costs when it verifies what linear verifies.
+    "parity": dict(configs="off,linear-ngram,tree-ngram-chain", budgets="6", concurrency="1,4,16",
+                   num_prompts="6,12,32", max_tokens=96, warmup=1, repeats=3),
+    # The default shape policy (budgets "auto") vs linear n-gram and suffix, c = 1..64, a server per repeat.
+    "policy": dict(configs="linear-ngram,tree-ngram,linear-suffix,tree-suffix", budgets="6",
+                   concurrency="1,4,16,64", num_prompts="4,8,16,64", prompts_per_slot=1, max_tokens=64,
+                   warmup=2, repeats=3),
+    # Soak (docs/soak.md): the tree server under --concurrency streams x --num-prompts requests of the soak mix,
+    # then a no-speculation server on the same requests; leaks, greedy identity, RSS. --spec for another tree.
+    "soak": dict(soak=True, configs="tree-ngram", budgets="6", concurrency="64", num_prompts="500",
+                 max_tokens=256, warmup="4x", timeout=1800.0),
+    # Smallest real run (sanity): two configurations, 2 prompts.
     "smoke": dict(configs="off,tree-suffix", budgets="4", concurrency="1", num_prompts="2", max_tokens=16,
-                  warmup=1, out="runs/serve/smoke"),
+                  warmup=1),
 }
+
+
+def default_out(name: str) -> str:
+    """Where a run writes unless --out says otherwise: a cache folder outside the checkout."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return str(cache / "vllm-tree-spec" / "bench" / "serve" / name)
 
 
 # ---------------------------------------------------------------------------
@@ -550,16 +549,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--base-url", help="benchmark this already-running server instead of starting one per config")
     ap.add_argument("--label", help="with --base-url: the configuration name in the report (default: the one "
                                     "--configs kind, which also places it in the tree-vs-linear comparisons)")
-    ap.add_argument("--spec", help="with --base-url: the server's speculative config JSON (recorded only)")
-    ap.add_argument("--out", help="output folder (default runs/serve/<preset or 'custom'>)")
+    ap.add_argument("--spec", help="with --base-url: the server's speculative config JSON (recorded only); "
+                                   "with --preset soak: the tree server's config (default: --configs at --budgets)")
+    ap.add_argument("--out", help="output folder (default ~/.cache/vllm-tree-spec/bench/serve/<preset or 'custom'>)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and exit")
     args = ap.parse_args(argv)
     defaults = dict(configs="off,linear-suffix,tree-suffix", budgets="6", concurrency="1", request_rate="",
                     num_prompts="8", prompts_per_slot=2, max_tokens=128, datasets=",".join(DATASETS), warmup=1,
                     seed=0, temperature=0.0, max_model_len=2048, server_per="config", timeout=600.0,
                     tree_budgets="auto", no_enable_prefix_caching=False, repeats=1, profile_prompts=8,
-                    profile_ranks=PROFILE_RANKS,
-                    out="runs/serve/custom")
+                    profile_ranks=PROFILE_RANKS, soak=False, out=default_out(args.preset or "custom"))
     preset = PRESETS.get(args.preset or "", {})
     for k, v in {**defaults, **preset}.items():
         if getattr(args, k, None) in (None, ""):
@@ -666,8 +665,38 @@ def run_file(out: Path, config: Config, run: RunPlan, repeat: int, repeats: int)
     return out / "runs" / (f"{config.name}__{run.key}" + (f"__rep{repeat}" if repeats > 1 else "") + ".json")
 
 
+def soak(args: argparse.Namespace) -> int:
+    """--preset soak: benchmarks/soak/soak_run.py with this benchmark's options (streams = --concurrency,
+    requests = --num-prompts; the tree server's config from --spec, else the one tree configuration at D)."""
+    kinds, budgets = [k.strip() for k in args.configs.split(",") if k.strip()], _ints(args.budgets)
+    streams, requests = _ints(args.concurrency), _ints(args.num_prompts)
+    if len(streams) != 1 or len(requests) != 1:
+        raise SystemExit("--preset soak: give one --concurrency (the streams) and one --num-prompts (the requests)")
+    if args.spec:
+        spec = json.loads(args.spec)
+    elif len(kinds) == 1 and kinds[0].startswith("tree-") and len(budgets) == 1:
+        spec = make_config(kinds[0], budgets[0]).spec
+    else:
+        raise SystemExit("--preset soak: give one tree configuration and one budget (--configs tree-ngram "
+                         "--budgets 6) or the tree server's config as --spec JSON")
+    print(f"soak: {requests[0]} requests over {streams[0]} streams, max_tokens 1..{args.max_tokens}; tree server "
+          f"{json.dumps(spec)}, then a no-speculation server; out {args.out}", flush=True)
+    if args.dry_run:
+        return 0
+    if not args.model:
+        from vllm_tree_spec.models import smollm2
+
+        args.model = str(smollm2())
+    sys.path.insert(0, str(ROOT / "benchmarks" / "soak"))
+    from soak_run import run
+
+    return run(args, spec)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.soak:
+        return soak(args)
     kinds = [k.strip() for k in args.configs.split(",") if k.strip()]
     bad = [k for k in kinds if k not in CONFIG_KINDS]
     if bad:

@@ -1,40 +1,26 @@
-"""Render a serving-benchmark folder: Markdown table, comparisons, targets, PNG plots.
+"""Render a serving-benchmark folder: Markdown table, tree vs linear per window, PNG plots; the results page.
 
-    python benchmarks/serve/serve_report.py runs/serve/cpu-d6      # rewrites report.md, summary.json, *.png
+    python benchmarks/serve/serve_report.py OUT        # rewrites OUT/report.md, summary.json, *.png, plan-changes.log
+    python benchmarks/serve/serve_report.py --page benchmarks/results/cpu-suffix        # a docs/benchmarks.md table
+    python benchmarks/serve/serve_report.py --plot PNG benchmarks/results/cpu-suffix ...  # tok/s vs concurrency
 
 Reads OUT/runs/*.json (one per run, written by bench_serve.py). Quality is computed here, across runs:
 a run's greedy texts are compared prompt by prompt with the `off` run of the same load (same prompts).
 One folder holds one sampling setting (greedy, or one --temperature/--top-p/--top-k).
 With --repeats, a configuration's runs at one load are folded into one row (medians over the repeats), and
 tree / linear ratios are medians of the per-repeat ratios (repeat i of the tree against repeat i of linear:
-interleaved, so neighbours in time). EAGLE-3 folders also get the head's acceptance profile and planned trees
-(profile/profile.json, planned_trees.json, acceptance_profile.png; written by bench_serve.py).
+interleaved, so neighbours in time: a *window*); each window's tok/s ratio is listed next to the median, which
+shows how much of it is the machine's noise. EAGLE-3 folders also get the head's acceptance profile and planned
+trees (profile/profile.json, planned_trees.json, acceptance_profile.png; written by bench_serve.py).
+--page and --plot read only the stored summary.json of each folder (benchmarks/results/INDEX.md).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
-TARGET_D = 6
-TARGETS = {  # docs/benchmarks.md
-    "accepted_length_gain_d6": 1.20,  # tokens per round, tree / linear, same drafter, D = 6
-    "throughput_gain_c4": 1.25,  # output tok/s, tree / linear at batch (concurrency) 4
-    "throughput_ratio_c64": 1.00,  # never below linear at batch 64
-}
-EAGLE3_TARGETS = {  # issue 12: tree eagle3 / vLLM's linear eagle3 (at T > 0 its strongest setting, -prob)
-    "tokens_per_round_greedy_d6": 1.20,
-    "tokens_per_round_sampled_d6": 1.10,
-    "throughput_c1_c4": 1.15,  # output tok/s, c = 1 and c = 4
-    "throughput_per_cpu_s_c1_c4": 1.10,
-}
-ISSUE13_TARGETS = {  # issue 13: tree / linear, same drafter family, D = 6, medians of interleaved repeats
-    "parity": 0.98,  # a chain-shaped tree (tree-*-chain) at c = 1, 4, 16: output tok/s and tok per server CPU-s
-    "never_below": 0.98,  # the default shape policy (tree-ngram, tree-suffix) at c = 1, 4, 16, 64: output tok/s
-    "gain": 1.05,  # ... and this much where its tokens per round are >= 1.05x linear
-}
-PARITY_LEVELS, POLICY_LEVELS, POLICY_KINDS = (1, 4, 16), (1, 4, 16, 64), ("tree-ngram", "tree-suffix")
 REPEAT_METRICS = ("tokens_per_round", "candidates_per_round", "acceptance_rate", "output_tok_s", "requests_s",
                   "tok_per_cpu_s", "tokens_per_step")
 
@@ -238,6 +224,7 @@ def _compare(r: dict, lin: dict | None, o: dict | None) -> dict:
         "throughput_ratio_vs_off": _rratio(r, o, "output_tok_s"),
         "linear_vs_off": _rratio(lin, o, "output_tok_s"),
         "tpot_p50_ratio_vs_linear": _ratio(r["tpot_ms"][0], lin and lin["tpot_ms"][0]),
+        "windows": windows(r, lin, "output_tok_s"),
         "linear_kind": lin["kind"] if lin else None,
         "repeats": min(r["repeats"], lin["repeats"]) if lin else None,
     }
@@ -247,100 +234,22 @@ def _ratio(a, b):
     return a / b if a is not None and b else None
 
 
-def targets(cmp: list[dict], sampled: bool = False) -> list[dict]:
-    """The issues' targets, evaluated on whatever was measured (None = not measured)."""
-    def pick(pred):
-        return [c for c in cmp if c["budget"] == TARGET_D and c["mode"] == "concurrency" and c["family"] != "eagle3"
-                and pred(c)]
-
-    out = []
-    gains = lambda c: not c["kind"].endswith("-chain")  # noqa: E731  (a chain gains no accepted length by design)
-    for c in pick(lambda c: c["accepted_length_ratio"] is not None and gains(c)):
-        out.append({"target": "accepted length >= +20% over linear at D=6", "where": f"{c['tree']} @ {c['key']}",
-                    "value": c["accepted_length_ratio"], "threshold": TARGETS["accepted_length_gain_d6"],
-                    "met": c["accepted_length_ratio"] >= TARGETS["accepted_length_gain_d6"]})
-    for c in pick(lambda c: c["level"] == 4 and c["throughput_ratio_vs_linear"] is not None and gains(c)):
-        out.append({"target": "throughput >= +25% over linear at batch 4", "where": f"{c['tree']} @ {c['key']}",
-                    "value": c["throughput_ratio_vs_linear"], "cpu_value": c["cpu_efficiency_ratio_vs_linear"],
-                    "threshold": TARGETS["throughput_gain_c4"],
-                    "met": c["throughput_ratio_vs_linear"] >= TARGETS["throughput_gain_c4"]})
-    for c in pick(lambda c: c["level"] == 64 and c["throughput_ratio_vs_linear"] is not None):
-        out.append({"target": "never below linear at batch 64", "where": f"{c['tree']} @ {c['key']}",
-                    "value": c["throughput_ratio_vs_linear"], "cpu_value": c["cpu_efficiency_ratio_vs_linear"],
-                    "threshold": TARGETS["throughput_ratio_c64"],
-                    "met": c["throughput_ratio_vs_linear"] >= TARGETS["throughput_ratio_c64"]})
-    return out + issue13_targets(pick) + eagle3_targets(cmp, sampled)
-
-
-def issue13_targets(pick) -> list[dict]:
-    """Overhead parity (chain-shaped trees) and never below linear (the default shape policy)."""
-    out = []
-    thr = ISSUE13_TARGETS["parity"]
-    for c in pick(lambda c: c["kind"].endswith("-chain") and c["level"] in PARITY_LEVELS
-                  and c["throughput_ratio_vs_linear"] is not None):
-        cpu = c["cpu_efficiency_ratio_vs_linear"]
-        out.append({"target": f"overhead parity: chain tree >= {thr:.2f}x linear (tok/s and per CPU-s)",
-                    "where": _where(c), "value": c["throughput_ratio_vs_linear"], "cpu_value": cpu, "threshold": thr,
-                    "met": c["throughput_ratio_vs_linear"] >= thr and cpu is not None and cpu >= thr})
-    for c in pick(lambda c: c["kind"] in POLICY_KINDS and c["level"] in POLICY_LEVELS
-                  and c["throughput_ratio_vs_linear"] is not None):
-        longer = (c["accepted_length_ratio"] or 0) >= ISSUE13_TARGETS["gain"]
-        thr = ISSUE13_TARGETS["gain" if longer else "never_below"]
-        what = "tokens/round >= 1.05x: >= " if longer else "never below linear: >= "
-        out.append({"target": f"default policy, {what}{thr:.2f}x linear", "where": _where(c),
-                    "value": c["throughput_ratio_vs_linear"], "cpu_value": c["cpu_efficiency_ratio_vs_linear"],
-                    "threshold": thr, "met": c["throughput_ratio_vs_linear"] >= thr})
-    return out
-
-
-def _where(c: dict) -> str:
-    return f"{c['tree']} vs {c['linear']} @ {c['key']}" + (f" (median of {c['repeats']})" if (c["repeats"] or 1) > 1
-                                                         else "")
-
-
-def eagle3_baseline(cmp: list[dict], sampled: bool) -> list[dict]:
-    """Tree eagle3 rows against vLLM's strongest linear eagle3 at D = 6: greedy, linear-eagle3 (the probabilistic
-    chain drafts the argmax for greedy requests); sampled, linear-eagle3-prob where measured."""
-    want = ("linear-eagle3-prob", "linear-eagle3") if sampled else ("linear-eagle3", "linear-eagle3-prob")
-    best: dict[tuple, dict] = {}
-    for c in cmp:
-        if c["family"] != "eagle3" or c["budget"] != TARGET_D or c["mode"] != "concurrency" or not c["linear_kind"]:
-            continue
-        k = (c["tree"], c["key"])
-        if k not in best or want.index(c["linear_kind"]) < want.index(best[k]["linear_kind"]):
-            best[k] = c
-    return list(best.values())
-
-
-def eagle3_targets(cmp: list[dict], sampled: bool) -> list[dict]:
-    out = []
-    tpr = EAGLE3_TARGETS["tokens_per_round_sampled_d6" if sampled else "tokens_per_round_greedy_d6"]
-    for c in eagle3_baseline(cmp, sampled):
-        where = f"{c['tree']} vs {c['linear']} @ {c['key']}" + (f" (median of {c['repeats']})"
-                                                               if (c["repeats"] or 1) > 1 else "")
-        if c["accepted_length_ratio"] is not None:
-            out.append({"target": f"eagle3 tokens/round >= {tpr:.2f}x linear at D=6 "
-                                  f"({'T > 0, strongest linear' if sampled else 'greedy'})", "where": where,
-                        "value": c["accepted_length_ratio"], "threshold": tpr,
-                        "met": c["accepted_length_ratio"] >= tpr})
-        if c["level"] in (1, 4) and c["throughput_ratio_vs_linear"] is not None:
-            thr, cpu_thr = EAGLE3_TARGETS["throughput_c1_c4"], EAGLE3_TARGETS["throughput_per_cpu_s_c1_c4"]
-            cpu = c["cpu_efficiency_ratio_vs_linear"]
-            out.append({"target": f"eagle3 tok/s >= {thr:.2f}x linear and per CPU-s >= {cpu_thr:.2f}x at c=1, 4",
-                        "where": where, "value": c["throughput_ratio_vs_linear"], "cpu_value": cpu,
-                        "threshold": thr,
-                        "met": c["throughput_ratio_vs_linear"] >= thr and cpu is not None and cpu >= cpu_thr})
-    return out
+def windows(a: dict | None, b: dict | None, metric: str) -> list[float]:
+    """a / b per window (repeat i of a against repeat i of b), in window order; [] without repeats."""
+    pa, pb = (a or {}).get("per_repeat") or {}, (b or {}).get("per_repeat") or {}
+    common = sorted(set(pa) & set(pb), key=int)
+    ws = [_ratio(pa[i][metric], pb[i][metric]) for i in common]
+    return [w for w in ws if w is not None] if len(common) > 1 else []
 
 
 def comparison_table(cmp: list[dict]) -> str:
-    lines = ["| tree | vs linear | load | tokens/round tree/linear | tok/step tree/linear | tok/s tree/linear | "
-             "tok/CPU-s tree/linear | TPOT p50 tree/linear | tok/s tree vs off | tok/s linear vs off | "
+    lines = ["| tree | vs linear | load | tokens/round tree/linear | tok/step tree/linear | tok/s tree/linear "
+             "(windows) | tok/CPU-s tree/linear | TPOT p50 tree/linear | tok/s tree vs off | tok/s linear vs off | "
              "tok/CPU-s tree vs off |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cmp:
         lines.append(f"| {c['tree']} | {c['linear'] or '-'} | {c['key']} | {_f(c['accepted_length_ratio'], 3, 'x')} | "
                      f"{_f(c['tokens_per_step_ratio'], 3, 'x')} | "
-                     f"{_f(c['throughput_ratio_vs_linear'], 3, 'x')} | "
+                     f"{_f(c['throughput_ratio_vs_linear'], 3, 'x')}{_windows(c)} | "
                      f"{_f(c['cpu_efficiency_ratio_vs_linear'], 3, 'x')} | "
                      f"{_f(c['tpot_p50_ratio_vs_linear'], 3, 'x')} | "
                      f"{_f(c['throughput_ratio_vs_off'], 3, 'x')} | {_f(c['linear_vs_off'], 3, 'x')} | "
@@ -348,16 +257,9 @@ def comparison_table(cmp: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def targets_table(ts: list[dict]) -> str:
-    if not ts:
-        return "(no run measured a target's condition: D = 6 with linear and tree at the same load)"
-    lines = ["| target | measured at | value (throughput: wall clock) | throughput per server CPU-second | "
-             "threshold | met |",
-             "|---|---|---|---|---|---|"]
-    for t in ts:
-        lines.append(f"| {t['target']} | {t['where']} | {t['value']:.3f}x | {_f(t.get('cpu_value'), 3, 'x')} | "
-                     f"{t['threshold']:.2f}x | {'yes' if t['met'] else 'no'} |")
-    return "\n".join(lines)
+def _windows(c: dict) -> str:
+    ws = c.get("windows") or []
+    return f" ({', '.join(f'{w:.3f}' for w in ws)})" if ws else ""
 
 
 def lengths_table(runs: list[dict]) -> str:
@@ -586,7 +488,6 @@ def write_report(out: Path | str) -> str:
     sampling = check_one_sampling(runs)
     rs = rows(runs)
     cmp = comparisons(rs)
-    ts = targets(cmp, sampled=bool(sampling.get("temperature")))
     pngs = plots(runs, rs, out) if runs else []
     env = next((r["environment"] for r in runs if r.get("environment")), {})
     host, ver = env.get("host", {}), env.get("versions", {})
@@ -619,10 +520,6 @@ def write_report(out: Path | str) -> str:
         "",
         comparison_table(cmp),
         "",
-        "## Targets",
-        "",
-        targets_table(ts),
-        "",
         *profile_section(out, rs),
         "## Prompt lengths (server-counted tokens, chat template included)",
         "",
@@ -632,13 +529,141 @@ def write_report(out: Path | str) -> str:
     ]
     text = "\n".join(md) + "\n"
     (out / "report.md").write_text(text)
-    (out / "summary.json").write_text(json.dumps({"rows": rs, "comparisons": cmp, "targets": ts,
+    (out / "summary.json").write_text(json.dumps({"rows": rs, "comparisons": cmp,
                                                   "environment": env, "plots": pngs}, indent=1))
     (out / "acceptance_profiles.json").write_text(json.dumps(acceptance_profiles(rs, env), indent=1))
+    plan_changes(out)
     return text
 
 
+def plan_changes(out: Path) -> None:
+    """The shape policy's plan changes from the servers' logs (one `Tree shape plan` line per change) in one file."""
+    lines = [ln.rstrip() for log in sorted((out / "logs").glob("*.log")) for ln in log.read_text(errors="replace")
+             .splitlines() if "Tree shape plan" in ln]
+    if lines:
+        (out / "plan-changes.log").write_text("\n".join(lines) + "\n")
+
+
+# ---------------------------------------------------------------------------
+# The results page (docs/benchmarks.md): tables and plots from stored summary.json files
+
+STYLE_ORDER = {"off": 0, "linear": 1, "tree": 2}
+PAGE_LEVELS = (1, 4, 16, 64)
+
+
+def load_summary(folder: Path | str) -> dict:
+    path = Path(folder) / "summary.json"
+    if not path.exists():
+        raise SystemExit(f"{path}: no summary.json (a bench_serve.py output folder, e.g. benchmarks/results/*)")
+    return json.loads(path.read_text())
+
+
+def _linear_for(tree: dict, rows_at_key: list[dict]) -> dict | None:
+    """The linear row a tree row is compared with: same drafter family and D, vLLM's default setting first."""
+    lins = [r for r in rows_at_key if r["style"] == "linear" and r["family"] == tree["family"]
+            and r["budget"] == tree["budget"]]
+    lins.sort(key=lambda r: (r["kind"] != f"linear-{tree['family']}", r["kind"]))
+    return lins[0] if lins else None
+
+
+def page_rows(folders: list[Path | str], levels=PAGE_LEVELS) -> list[dict]:
+    """One row per (concurrency, configuration), the first folder that measured it winning; configurations a
+    folder set never measured at a level (`off` included) come back with `row: None`."""
+    found: dict[tuple[int, str], tuple[dict, str, list[dict]]] = {}
+    names: dict[str, dict] = {"off": {"config": "off", "style": "off"}}
+    for folder in folders:
+        ok = [r for r in load_summary(folder)["rows"] if not r["failed"] and r["mode"] == "concurrency"]
+        for r in ok:
+            names.setdefault(r["config"], r)
+            same = [x for x in ok if x["key"] == r["key"]]
+            found.setdefault((int(r["level"]), r["config"]), (r, Path(folder).name, same))
+    out = []
+    for level in levels:
+        for name, proto in sorted(names.items(), key=lambda kv: (STYLE_ORDER.get(kv[1]["style"], 3), kv[0])):
+            r, run, same = found.get((level, name), (None, None, []))
+            lin = _linear_for(r, same) if r is not None and r["style"] == "tree" else None
+            out.append({"level": level, "config": name, "row": r, "run": run, "linear": lin,
+                        "vs_linear": _rratio(r, lin, "output_tok_s") if lin else None,
+                        "windows": windows(r, lin, "output_tok_s") if lin else []})
+    return out
+
+
+def page_table(folders: list[Path | str], levels=PAGE_LEVELS) -> str:
+    """The Markdown table docs/benchmarks.md prints for these stored runs."""
+    lines = ["| c | configuration | tokens/round | out tok/s | tok/s vs linear (windows) | TTFT p50 / p95 ms | "
+             "ITL p50 / p95 ms | run |", "|---|---|---|---|---|---|---|---|"]
+    rows_ = page_rows(folders, levels)
+    for p in rows_:
+        r = p["row"]
+        if r is None and not any(q["row"] for q in rows_ if q["level"] == p["level"]):
+            if p is next(q for q in rows_ if q["level"] == p["level"]):  # one line for a level never measured
+                lines.append(f"| {p['level']} | every configuration | not measured | | | | | |")
+            continue
+        if r is None:
+            lines.append(f"| {p['level']} | {p['config']} | not measured | | | | | |")
+            continue
+        vs = "-" if p["vs_linear"] is None else f"{p['vs_linear']:.3f}x" + (
+            f" ({', '.join(f'{w:.2f}' for w in p['windows'])})" if p["windows"] else "")
+        lines.append(f"| {p['level']} | {p['config']} | {_f(r['tokens_per_round'])} | {_f(r['output_tok_s'], 1)} | "
+                     f"{vs} | {_pair(r['ttft_ms'])} | {_pair(r['itl_ms'], 1)} | {p['run']} |")
+    return "\n".join(lines)
+
+
+def page_plot(folders: list[Path | str], path: Path | str, levels=PAGE_LEVELS) -> Path:
+    """Output tok/s vs concurrency, one panel per drafter family, one line per configuration."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups: dict[str, list] = {}  # folders grouped by the drafter family they measure
+    for folder in folders:
+        fam = next((r["family"] for r in load_summary(folder)["rows"] if r["family"] != "off"), "off")
+        groups.setdefault(fam, []).append(folder)
+    fig, axes = plt.subplots(1, len(groups), figsize=(3.6 * len(groups), 3.0), squeeze=False)
+    for ax, (fam, fs) in zip(axes[0], groups.items()):
+        pts: dict[str, list[tuple[int, float]]] = {}
+        for p in page_rows(fs, levels):
+            if p["row"] is not None:
+                pts.setdefault(p["config"], []).append((p["level"], p["row"]["output_tok_s"]))
+        trees = iter(f"C{i}" for i in range(1, 10))
+        for name, xy in pts.items():  # off grey dotted, linear blue dashed, trees in solid colours
+            style, color = (":", "0.45") if name == "off" else ("--", "C0") if name.startswith("linear") else (
+                "-", next(trees))
+            ax.plot([x for x, _ in xy], [y for _, y in xy], style, color=color, marker="o", ms=3, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(levels), [str(x) for x in levels])
+        ax.set_title(fam, fontsize=9)
+        ax.set_xlabel("concurrency", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+        ax.legend(fontsize=6)
+    axes[0][0].set_ylabel("output tok/s", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return Path(path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("folders", nargs="+", help="bench_serve.py output folder(s)")
+    ap.add_argument("--page", action="store_true", help="print the results-page table of the folders' summary.json")
+    ap.add_argument("--plot", metavar="PNG", help="write tok/s vs concurrency of the folders' summary.json to PNG")
+    ap.add_argument("--levels", default=",".join(map(str, PAGE_LEVELS)), help="concurrencies of --page / --plot")
+    args = ap.parse_args(argv)
+    levels = tuple(int(x) for x in args.levels.split(","))
+    if args.page or args.plot:
+        if args.page:
+            print(page_table(args.folders, levels))
+        if args.plot:
+            print(f"wrote {page_plot(args.folders, args.plot, levels)}")
+        return 0
+    for folder in args.folders:
+        print(write_report(folder))
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        raise SystemExit("usage: serve_report.py OUT_DIR")
-    print(write_report(sys.argv[1]))
+    raise SystemExit(main())

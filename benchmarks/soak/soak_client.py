@@ -1,6 +1,7 @@
 """The soak load: a seeded mix of OpenAI requests, N concurrent streams, and the checks on every response.
 
-Shared by the CI suite (`tests/integration/test_soak.py`) and the full-scale script (`run_soak.py`).
+Shared by the CI suite (`tests/integration/test_soak.py`) and the full-scale soak (`soak_run.py`, run by
+`bench_serve.py --preset soak`).
 Nothing here imports vLLM: the servers run in their own processes.
 
     reqs = make_mix(500 * 64, model, vocab_size=49152, seed=0, max_tokens=256)

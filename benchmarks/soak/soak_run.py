@@ -1,16 +1,16 @@
-"""Full-scale soak: the served tree engine under 64 concurrent streams x 500 requests of the soak mix.
+"""Soak: the served tree engine under concurrent streams of the soak mix (`bench_serve.py --preset soak`).
 
-    python benchmarks/soak/run_soak.py                       # SmolLM2 (embedded default), 64 streams, 500 requests
-    python benchmarks/soak/run_soak.py --streams 8 --requests 64 --max-tokens 64     # a reduced run
-    python benchmarks/soak/run_soak.py --model /path/to/ckpt --spec '{"method": "tree", "drafter": "suffix"}'
+    python benchmarks/serve/bench_serve.py --preset soak     # SmolLM2 (embedded default), 64 streams, 500 requests
+    python benchmarks/serve/bench_serve.py --preset soak --concurrency 8 --num-prompts 64 --max-tokens 64  # reduced
+    python benchmarks/serve/bench_serve.py --preset soak --spec '{"method": "tree", "drafter": "suffix"}'
 
 Runs `vllm-tree-spec serve` twice on the same checkpoint (float32, as the serving benchmark does):
 
-1. the tree server (`--spec`, default the n-gram tree drafter at D = 6), started with
+1. the tree server (--spec, default the n-gram tree drafter at D = 6), started with
    VLLM_SERVER_DEV_MODE=1 so the workers' per-request places can be read (`/collective_rpc`,
-   `integration/live_state.py`): a warm-up load, the RSS of the server's process tree, the load
-   (`soak_client.make_mix`: chat / completions, streamed or not, greedy and sampled with every
-   sampling parameter, n = 2, logprobs, stop strings, max_tokens 1..--max-tokens, 15 % of the
+   `integration/live_state.py`): a warm-up load (--warmup, default 4 x streams), the RSS of the server's
+   process tree, the load (`soak_client.make_mix`: chat / completions, streamed or not, greedy and sampled
+   with every sampling parameter, n = 2, logprobs, stop strings, max_tokens 1..--max-tokens, 15 % of the
    clients disconnecting mid-stream), live-state polls during it, then the RSS again, the drained
    state, `/health` and `/metrics`;
 2. the no-speculation server on the same warm-up and requests (the disconnecting ones skipped, and `seed`
@@ -20,28 +20,27 @@ Runs `vllm-tree-spec serve` twice on the same checkpoint (float32, as the servin
 
 Pass: 0 errors, 0 lost requests, greedy outputs identical to the reference (float32: plain equality),
 no per-request state beyond vLLM's own during the load and none after it, RSS at the end within
---rss-tolerance (5 %) of the RSS after warm-up, `/health` 200 and the tree counters on `/metrics`.
+RSS_TOLERANCE (5 %) of the RSS after warm-up, `/health` 200 and the tree counters on `/metrics`.
 Writes `soak.json` (configuration, load average, every number above, the first problems) to --out and
-exits 1 when a check fails. Results: docs/soak.md.
+returns 1 when a check fails. Results: docs/soak.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import shlex
 import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from soak_client import (check_records, greedy_mismatches, live_state, make_mix, run_load,  # noqa: E402
+from soak_client import (check_records, greedy_mismatches, live_state, make_mix, run_load,
                          summary, wait_drained, without_seeds, worker_memory)
 
-DEFAULT_SPEC = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 6}
+DISCONNECT_FRAC = 0.15  # share of streamed requests that close the connection mid-stream
+RSS_TOLERANCE = 0.05  # RSS at the end within this of the RSS after warm-up
 
 
 def tree_rss_mb(pid: int) -> dict:
@@ -107,46 +106,34 @@ class RssSampler(threading.Thread):
                 pass
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None, help="checkpoint directory (default: the embedded SmolLM2)")
-    ap.add_argument("--spec", default=json.dumps(DEFAULT_SPEC), help="the tree server's --speculative-config")
-    ap.add_argument("--streams", type=int, default=64)
-    ap.add_argument("--requests", type=int, default=500, help="requests in all, over the streams")
-    ap.add_argument("--warmup", type=int, default=None, help="warm-up requests (default: 4 x streams)")
-    ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--disconnect-frac", type=float, default=0.15)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--rss-tolerance", type=float, default=0.05)
-    ap.add_argument("--timeout", type=float, default=1800.0, help="per-request timeout, seconds")
-    ap.add_argument("--out", default="benchmarks/soak/results/latest")
-    args = ap.parse_args(argv)
-
+def run(args, spec: dict) -> int:
+    """The soak with bench_serve's options: --concurrency streams, --num-prompts requests, --max-tokens, --warmup
+    (default 4 x streams), --model, --seed, --max-model-len, --timeout, --out; `spec` is the tree server's config."""
     from vllm_tree_spec.integration.live_state import counts
     from vllm_tree_spec.serve_launch import launched, metric_sum, post_json, scrape_metrics
 
-    if args.model is None:
-        from vllm_tree_spec.models import smollm2
-
-        args.model = str(smollm2())
-    spec = json.loads(args.spec)
+    streams, requests = int(args.concurrency), int(args.num_prompts)
+    warmup = 4 * streams if args.warmup == "4x" else int(args.warmup)
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    reqs = make_mix(args.requests, args.model, vocab_size=vocab, seed=args.seed, max_tokens=args.max_tokens,
-                    disconnect_frac=args.disconnect_frac)
-    warm = make_mix(args.warmup if args.warmup is not None else 4 * args.streams, args.model, vocab_size=vocab,
-                    seed=args.seed + 1000, max_tokens=args.max_tokens, disconnect_frac=args.disconnect_frac)
-    rec: dict = {"config": {**vars(args), "spec": spec}, "loadavg_start": _loadavg(), "started": time.ctime()}
-    common = dict(log_dir=str(out), max_num_seqs=args.streams, max_model_len=args.max_model_len)
-    print(f"soak: {len(reqs)} requests over {args.streams} streams on {args.model}; load average {_loadavg()}",
+    reqs = make_mix(requests, args.model, vocab_size=vocab, seed=args.seed, max_tokens=args.max_tokens,
+                    disconnect_frac=DISCONNECT_FRAC)
+    warm = make_mix(warmup, args.model, vocab_size=vocab, seed=args.seed + 1000, max_tokens=args.max_tokens,
+                    disconnect_frac=DISCONNECT_FRAC)
+    config = {"model": args.model, "spec": spec, "streams": streams, "requests": requests, "warmup": warmup,
+              "max_tokens": args.max_tokens, "disconnect_frac": DISCONNECT_FRAC, "seed": args.seed,
+              "max_model_len": args.max_model_len, "rss_tolerance": RSS_TOLERANCE, "timeout": args.timeout,
+              "out": str(out), "command": shlex.join([sys.executable, *sys.argv])}
+    rec: dict = {"config": config, "loadavg_start": _loadavg(), "started": time.ctime()}
+    common = dict(log_dir=str(out), max_num_seqs=streams, max_model_len=args.max_model_len)
+    print(f"soak: {len(reqs)} requests over {streams} streams on {args.model}; load average {_loadavg()}",
           flush=True)
 
     with launched(args.model, spec, name="soak-tree", env={"VLLM_SERVER_DEV_MODE": "1"}, **common) as server:
         rec["tree_startup_s"] = round(server.startup_s, 1)
         t0 = time.perf_counter()
-        warm_records = run_load(server.base, warm, streams=args.streams, timeout_s=args.timeout)
+        warm_records = run_load(server.base, warm, streams=streams, timeout_s=args.timeout)
         rec["warmup"] = {**summary(warm, warm_records), "s": round(time.perf_counter() - t0, 1),
                          "problems": check_records(warm, warm_records)[:20]}
         wait_drained(server.base)
@@ -159,7 +146,7 @@ def main(argv=None) -> int:
         sampler.start()
         t0 = time.perf_counter()
         try:
-            records = run_load(server.base, reqs, streams=args.streams, timeout_s=args.timeout)
+            records = run_load(server.base, reqs, streams=streams, timeout_s=args.timeout)
         finally:
             poller.stop.set()
             sampler.stop.set()
@@ -190,12 +177,12 @@ def main(argv=None) -> int:
 
     with launched(args.model, None, name="soak-off", **common) as server:
         # the same warm-up and RSS points without speculation: the control for the tree server's RSS growth
-        run_load(server.base, without_seeds(warm), streams=args.streams, timeout_s=args.timeout, skip_disconnects=True)
+        run_load(server.base, without_seeds(warm), streams=streams, timeout_s=args.timeout, skip_disconnects=True)
         rec["off_rss_after_warmup"] = tree_rss_mb(server.pid)
         sampler = RssSampler(server.pid)
         sampler.start()
         t0 = time.perf_counter()
-        reference = run_load(server.base, without_seeds(reqs), streams=args.streams, timeout_s=args.timeout,
+        reference = run_load(server.base, without_seeds(reqs), streams=streams, timeout_s=args.timeout,
                              skip_disconnects=True)
         rec["reference_s"] = round(time.perf_counter() - t0, 1)
         sampler.stop.set()
@@ -222,7 +209,7 @@ def main(argv=None) -> int:
         "no_leaks_during_load": not poller.leaks and not poller.errors and poller.polls > 0,
         "no_state_after_load": all(not n for w in rec["live_state_after"] for n in w.values())
                                and not any(gauges.values()),
-        "rss_flat": abs(rss1 / rss0 - 1) <= args.rss_tolerance,
+        "rss_flat": abs(rss1 / rss0 - 1) <= RSS_TOLERANCE,
         "health_and_metrics": rec["health"] == 200 and rec["metrics"]["vllm_tree_spec:rounds_total"] > 0,
     }
     rec["passed"] = all(rec["checks"].values())
@@ -233,7 +220,3 @@ def main(argv=None) -> int:
     for line in (problems + ref_problems + mismatches)[:20]:
         print("  ", line)
     return 0 if rec["passed"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
