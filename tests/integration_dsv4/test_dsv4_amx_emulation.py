@@ -19,7 +19,9 @@ policy's draftless steps (probes, a `none` plan) would go around the emulation:
 
 On a machine with AMX, real flips would add to the emulated ones, so the first
 two tests are skipped there (that machine runs the real thing: every greedy test
-of this suite); the negative controls run everywhere.
+of this suite); the negative controls run everywhere. There the survey itself
+can flip a near-tie for real: the oracle judges it (one excused near-tie per
+prompt), and only near-ties on the prefix it shares with the base output count.
 """
 
 import pytest
@@ -54,10 +56,16 @@ def setup(flat_model):
     every = {p: set(range(MAX_TOKENS)) for p in truth}
     survey = run_dsv4(flat_model, prompts, params, STATIC, on_llm=emulate_amx_flips(ties, flip=False),
                       drafter_factory=lambda cfg: OracleTreeDrafter(truth, "chain", stops=every))
-    assert survey.outputs == base.outputs
+    oracle = dsv4_oracle(flat_model, raw, params, control=False)
+    # on Intel AMX the survey's own multi-row steps can flip a near-tie for real: the oracle judges it
+    for line in oracle.check(raw, base.outputs, survey.outputs).lines():
+        print(line)
+    # near-ties after such a flip lie on another context than the base output's: keep the shared prefix's
+    shared = [first_difference(a, b) for a, b in zip(base.outputs, survey.outputs)]
+    ties = [t for t in ties if shared[t[0]] is None or t[1] <= shared[t[0]]]
     assert len({t[0] for t in ties}) >= 2, f"fewer than two prompts have a near-tie: {ties}"
     stops = {tuple(p): {t[1] for t in ties if t[0] == i} for i, p in enumerate(raw)}
-    return raw, prompts, params, base, truth, dsv4_oracle(flat_model, raw, params, control=False), stops
+    return raw, prompts, params, base, truth, oracle, stops
 
 
 def _emulated_run(flat_model, setup, max_flips):

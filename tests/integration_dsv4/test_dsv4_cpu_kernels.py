@@ -14,6 +14,7 @@ import torch
 from vllm_tree_spec.integration.dsv4 import cpu_kernels
 
 pytestmark = pytest.mark.vllm
+NEEDS_VLLM_DSV4_KERNELS = False  # Triton kernels (interpreted) and torch ports only (conftest.py)
 
 
 def _batch(seed: int, block_size: int, max_blocks: int = 12):
