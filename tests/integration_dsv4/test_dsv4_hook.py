@@ -20,8 +20,8 @@ same CSA / HCA block with different pooled rows.
 
 import pytest
 import torch
-from dsv4_harness import (OracleTreeDrafter, dsv4_oracle, first_difference, random_prompts, record_base_snapshots,
-                          record_tree_steps, run_dsv4, snapshot_mismatches)
+from dsv4_harness import (OracleTreeDrafter, compare_snapshots, dsv4_oracle, first_difference, random_prompts,
+                          record_base_snapshots, record_tree_steps, run_dsv4, snapshot_mismatches)
 
 PROMPT_LENGTHS = (118, 249)
 MAX_TOKENS = 20
@@ -135,6 +135,15 @@ def test_per_node_logits_equal_sequential_decode(dsv4_model, tree):
     assert c4 > 10 and c128 > 0 and same_block > 0, (c4, c128, same_block)
 
 
+def worst_per_store(base_snaps, snaps, keys) -> dict[str, float]:
+    """The worst row's figure of each store over the given refresh points (dsv4_harness.compare_snapshots)."""
+    worst: dict[str, float] = {}
+    for k in keys:
+        for store, v in compare_snapshots(base_snaps[k], snaps[k]).items():
+            worst[store] = max(worst.get(store, 0.0), v)
+    return {store: round(v, 4) for store, v in sorted(worst.items())}
+
+
 def shared_prefix_keys(raw, base_outputs, tree_outputs, snaps, base_snaps):
     """Snapshot keys (request, L) present in both runs whose context (L tokens) is the same in both: all of
     them, or those within prompt + the shared prefix where an excused near-tie flipped the output."""
@@ -164,6 +173,7 @@ def test_caches_after_refresh_equal_sequential_decode(dsv4_model, base, tree):
             bad[k] = diff
     stores = set(next(iter(snaps.values())))
     assert any("indexer.k_cache" in s for s in stores) and any("state_cache" in s for s in stores)
+    print(f"worst row per store over {len(common)} refresh points:", worst_per_store(base_snaps, snaps, common))
     assert not bad, f"{len(bad)} of {len(common)} refresh points differ, e.g. {next(iter(bad.items()))}"
 
 
@@ -181,10 +191,14 @@ def test_without_isolation_node_rows_diverge(dsv4_model, base, monkeypatch):
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("control", ["no-row-refresh", "no-entry-refresh"])
+@pytest.mark.parametrize("control", ["no-row-refresh", "no-entry-refresh", "commit-off-by-one"])
 def test_without_refresh_caches_differ(dsv4_model, base, monkeypatch, control):
-    """The cache comparison can fail: skipping a refresh leaves stores that differ beyond the tolerances
-    (rows of another branch or a stale slot: most fp8 values many code steps apart)."""
+    """The cache comparison can fail: skipping a refresh, or refreshing rows from the slot one row early
+    (test_dsv4_greedy.commit_off_by_one), leaves stores that differ beyond the tolerances (rows of another
+    branch or a stale slot: most fp8 values many code steps apart)."""
+    from test_dsv4_greedy import commit_off_by_one
+
+    from vllm_tree_spec.integration import kv_layout
     from vllm_tree_spec.integration.dsv4.adapter import DeepseekV4TreeAdapter
 
     if control == "no-row-refresh":
@@ -198,10 +212,14 @@ def test_without_refresh_caches_differ(dsv4_model, base, monkeypatch, control):
                 self.row_groups = groups
 
         ctrl = (DeepseekV4TreeAdapter, "commit", patched)
-    else:
+    elif control == "no-entry-refresh":
         ctrl = (DeepseekV4TreeAdapter, "_refresh_entries", lambda self, *a: 0)
+    else:
+        ctrl = (kv_layout, "compaction_pairs", commit_off_by_one)
     _, _, _, base_snaps = base
     run, records, snaps = _tree_run(dsv4_model, base, monkeypatch, ctrl)
     common = [k for k in snaps if k in base_snaps]
     bad = [k for k in common if snapshot_mismatches(base_snaps[k], snaps[k])]
-    assert bad, f"skipping the {control} left all {len(common)} compared caches within tolerance"
+    print(f"{control}: {len(bad)} of {len(common)} refresh points beyond tolerance; worst row per store:",
+          worst_per_store(base_snaps, snaps, common))
+    assert bad, f"{control}: all {len(common)} compared caches within tolerance"
