@@ -159,6 +159,30 @@ def test_leaf_paths_cover_every_leaf_and_node(tree: Tree):
 
 @PROPS
 @given(trees())
+def test_chain_cover_partitions_the_rows_into_parent_child_chains(tree: Tree):
+    parents = tree.parents.tolist()
+    chains = tree.chain_cover
+    rows = [r for c in chains for r in c]
+    assert sorted(rows) == list(range(tree.num_nodes + 1))  # every row (0 = root) exactly once
+    assert chains[0][0] == 0
+    for chain in chains:
+        for a, b in zip(chain, chain[1:]):
+            assert parents[b - 1] == a - 1  # each next row is a child of the previous one
+        assert chain[-1] == 0 and tree.num_nodes == 0 or chain[-1] - 1 in tree.leaves  # down to a leaf
+        if chain[0]:  # a later chain starts below a row of an earlier chain
+            start = parents[chain[0] - 1] + 1
+            assert any(start in c for c in chains[: chains.index(chain)])
+    assert len(chains) == max(1, len(tree.leaves))
+
+
+def test_chain_cover_example():
+    assert Tree([-1, -1, 0, 0, 3]).chain_cover == [[0, 1, 3], [4, 5], [2]]
+    assert Tree.chain(3).chain_cover == [[0, 1, 2, 3]]
+    assert Tree([]).chain_cover == [[0]]
+
+
+@PROPS
+@given(trees())
 def test_paths_round_trip_through_from_paths(tree: Tree):
     paths = tree.to_paths()
     assert len(set(paths)) == tree.num_nodes

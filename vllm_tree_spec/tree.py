@@ -262,6 +262,26 @@ class Tree:
     def leaves(self) -> list[int]:
         return [i for i in range(self.num_nodes) if not self.children[i + 1]]
 
+    @cached_property
+    def chain_cover(self) -> list[list[int]]:
+        """The rows split into chains (row 0 = root, row i + 1 = node i), each row in exactly one.
+
+        A chain starts at the root or at a node whose parent is in an earlier chain and follows
+        first children down to a leaf, so there is one chain per leaf (the root alone if there is
+        no node). With the example above: [[0, 1, 3], [4, 5], [2]].
+        """
+        out, stack = [], [0]
+        while stack:
+            chain = [stack.pop()]
+            while True:
+                kids = self.children[chain[-1]]
+                stack.extend(k + 1 for k in reversed(kids[1:]))  # later siblings start chains of their own
+                if not kids:
+                    break
+                chain.append(kids[0] + 1)
+            out.append(chain)
+        return out
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the first level down to `node` (inclusive)."""
         path = []

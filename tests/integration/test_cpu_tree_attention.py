@@ -85,15 +85,15 @@ AMX = pytest.mark.skipif(not kv_layout.amx_available(),
     pytest.param(torch.bfloat16, 64, 1, 4, 6, 3.0, True, "amx", marks=AMX),
     pytest.param(torch.bfloat16, 128, 2, 3, 0, 0.0, True, "amx", marks=AMX),
 ])
-@pytest.mark.parametrize("path", ["kernel", "split"])
+@pytest.mark.parametrize("path", ["decode", "kernel", "split"])
 def test_tree_rows_match_path_oracle(dtype, head_dim, hkv, g, window, softcap, sinks, isa, path, monkeypatch):
     from vllm import _custom_ops as ops
 
     from vllm_tree_spec.integration import cpu_attention
     from vllm_tree_spec.integration.cpu_attention import TreeCPUAttentionImpl
 
-    monkeypatch.setenv(cpu_attention.KERNEL_ENV, "1" if path == "kernel" else "0")
-    if path == "kernel" and not cpu_attention.use_tree_kernel():
+    monkeypatch.setenv(cpu_attention.MODE_ENV, path)
+    if cpu_attention.tree_attention_mode() != path:
         pytest.skip(cpu_attention.tree_kernel.available()[1])
 
     rng = random.Random(head_dim * 7 + g)

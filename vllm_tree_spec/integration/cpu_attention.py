@@ -1,36 +1,35 @@
-"""Tree-masked attention on vLLM's CPU backend (an override of CPU_ATTN), one pass per layer.
+"""Tree-masked attention on vLLM's CPU backend (an override of CPU_ATTN).
 
 vLLM's CPU kernel knows causal, sliding-window and per-sequence causal masks,
 not tree masks. In a tree step the override calls vLLM's kernel once for every
-row of the step. Ordinary rows (prefill, plain decode) and chain-shaped trees
-(whose causal mask is their tree mask) go through that call unchanged: a chain
-costs what linear speculation costs. The root and nodes of each branching tree
-are computed by one of two exact paths:
+ordinary row (prefill, plain decode) and every chain-shaped tree (whose causal
+mask is its tree mask): a chain costs what linear speculation costs. The root
+and nodes of each branching tree are computed by one of three paths, chosen with
+VLLM_TREE_SPEC_CPU_TREE_ATTENTION:
 
-    kernel (default)  the C++ tree kernel (`kernels/cpu_tree_attention.cpp`) reads each
-                      request's prefix blocks once for its root, nodes and query heads,
-                      with the tree mask, window, softcap and sinks; in vLLM's call these
-                      rows are a 1-key placeholder sequence, then overwritten
-    split             vLLM's call computes the prefix part of the root and nodes (one
-                      non-causal sequence over the prefix slots), and each node is merged
-                      with its tree part by log-sum-exp weights, the prefix's log-sum-exp
-                      recomputed on the side (`cpu_tree_split.py`). Used where the kernel
-                      cannot be built (no C++ compiler: logged once at model load) or with
-                      VLLM_TREE_SPEC_CPU_TREE_KERNEL=0
+    decode (default)  vLLM's own kernel decodes every path: each branching tree is cut into
+                      chains, and each chain is one causal sequence over prefix + path, the path's
+                      K/V written over the request's draft slots for its wave and restored after
+                      (`cpu_tree_decode.py`). Bit-identical to decoding without speculation on
+                      every ISA (vec, vec16, amx) and dtype; each chain re-reads its prefix
+    kernel            the C++ tree kernel (`kernels/cpu_tree_attention.cpp`) reads each request's
+                      prefix blocks once for its root, nodes and query heads, with the tree mask,
+                      window, softcap and sinks; exact attention, but rounded in its own order (one
+                      ulp from vLLM's kernel in many elements), so greedy output can differ from no
+                      speculation at near-ties. Falls back to `split` where it cannot be built
+    split             vLLM's call computes the prefix part of the root and nodes (one non-causal
+                      sequence over the prefix slots), and each node is merged with its tree part by
+                      log-sum-exp weights (`cpu_tree_split.py`); rounded like `kernel`
 
-Positions are depth-based, so a sliding window is measured in positions; on the split
-path the prefix part is then computed over the window only. Softcap and
-attention sinks follow the kernel's math; ALiBi and quantised KV caches are
-refused at model load (`tree_check`), a cache layout the plugin cannot read once
-the cache exists (`tree_check_cache`: vec, vec16 and, for bf16 on AMX CPUs, amx
-are read; the kernel call's metadata is the same for every ISA: vLLM picks amx
-only for block sizes and head sizes that are multiples of 32, which its amx
-kernel needs).
+Positions are depth-based, so a sliding window is measured in positions (on the
+decode path every chain sequence has its true positions, so vLLM's window applies as
+in a decode step). ALiBi and quantised KV caches are refused at model load
+(`tree_check`), a cache layout the plugin cannot read once the cache exists
+(`tree_check_cache`: vec, vec16 and, for bf16 on AMX CPUs, amx are read).
 
-The split metadata and node indices are built once per step and shared by
-every layer of the KV-cache group. It is registered in the worker process by
-`TreeCPUWorker` (the only place where tree speculation is active), through
-vLLM's documented backend registry.
+The plan of a step is built once per KV-cache group and shared by every layer. It is
+registered in the worker process by `TreeCPUWorker` (the only place where tree
+speculation is active), through vLLM's documented backend registry.
 """
 
 from __future__ import annotations
@@ -45,38 +44,45 @@ from vllm import _custom_ops as ops
 from vllm import envs
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
+from vllm_tree_spec.integration import cpu_tree_decode as decode
 from vllm_tree_spec.integration import cpu_tree_split as split
 from vllm_tree_spec.integration import kv_layout
 from vllm_tree_spec.integration.tree_step import TreeStep
 from vllm_tree_spec.kernels import cpu_tree_attention_launch as tree_kernel
 
-KERNEL_ENV = "VLLM_TREE_SPEC_CPU_TREE_KERNEL"  # "0": the split path even where the kernel builds
+MODE_ENV = "VLLM_TREE_SPEC_CPU_TREE_ATTENTION"  # decode (default) | kernel | split
+MODES = ("decode", "kernel", "split")
 
 
-def _kernel_switched_off() -> bool:
-    return os.environ.get(KERNEL_ENV, "1") == "0"
-
-
-def use_tree_kernel() -> bool:
-    """Whether branching trees go through the C++ tree kernel (built once per machine, cached)."""
-    return not _kernel_switched_off() and tree_kernel.available()[0]
+def tree_attention_mode() -> str:
+    """How branching trees' rows are computed (module docstring); `kernel` becomes `split` where the C++
+    kernel cannot be built."""
+    mode = os.environ.get(MODE_ENV, "decode").strip().lower() or "decode"
+    if mode not in MODES:
+        raise ValueError(f"{MODE_ENV}={mode!r}: choose one of {', '.join(MODES)} (default decode: bit-identical "
+                         f"to decoding without speculation)")
+    if mode == "kernel" and not tree_kernel.available()[0]:
+        return "split"
+    return mode
 
 
 @functools.cache
-def prepare_tree_kernel() -> bool:
-    """Build the kernel at model load (not in the first tree step) and say which path serves."""
+def prepare_tree_attention() -> str:
+    """Choose the path at model load (and build the kernel there, not in the first tree step); log it once."""
     from vllm.logger import init_logger
 
     log = init_logger(__name__)
-    if _kernel_switched_off():
-        log.info("tree attention on CPU: split path (%s=0)", KERNEL_ENV)
-        return False
-    ok, why = tree_kernel.available()
-    if ok:
-        log.info("tree attention on CPU: C++ tree kernel (ready in %.1f s)", tree_kernel.load())
+    mode = tree_attention_mode()
+    if mode == "decode":
+        log.info("tree attention on CPU: vLLM's kernel decodes every tree path (bit-identical to decoding)")
+    elif mode == "kernel":
+        log.info("tree attention on CPU: C++ tree kernel (ready in %.1f s; %s=kernel)", tree_kernel.load(), MODE_ENV)
+    elif os.environ.get(MODE_ENV, "").strip().lower() == "kernel":
+        log.warning("tree attention on CPU: split path, the C++ tree kernel cannot be built: %s",
+                    tree_kernel.available()[1])
     else:
-        log.warning("tree attention on CPU: split path, slower for branching trees (exact either way): %s", why)
-    return ok
+        log.info("tree attention on CPU: split path (%s=split)", MODE_ENV)
+    return mode
 
 
 @dataclass
@@ -89,6 +95,8 @@ class _Plan:
     nodes: split.NodeRows | None  # their nodes (split path; None: nothing to merge)
     blocks: split.PrefixBlocks | None  # their prefix blocks, windowed layers only (split path)
     tree_reqs: tree_kernel.TreeRequests | None = None  # the tree kernel's request tensors (kernel path)
+    paths: decode.PathPlan | None = None  # the chain sequences, in waves (decode path)
+    wave_metadata: list[torch.Tensor] | None = None  # vLLM's scheduler metadata of each wave
 
 
 def _kernel_requests(step: TreeStep, block_table: torch.Tensor, block_size: int, num_kv_heads: int,
@@ -112,16 +120,25 @@ def _plan(step: TreeStep, attn_metadata, block_size: int, window: int, num_heads
     if key in cache:
         return cache[key]
     causal = attn_metadata.dynamic_causal if attn_metadata.dynamic_causal is not None else attn_metadata.causal
-    external = use_tree_kernel()
+    mode = tree_attention_mode()
     ks = split.kernel_split(step, attn_metadata.query_start_loc, attn_metadata.seq_lens, bt, causal,
-                            windowed=window > 0, external=external)
-    sched = ops.cpu_attn_get_scheduler_metadata(
-        num_reqs=ks.seq_lens.shape[0], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_size,
-        seq_lens=ks.seq_lens, dtype=dtype, query_start_loc=ks.query_start_loc, causal=False,
-        sliding_window_size=window if window > 0 else -1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
-        dynamic_causal=ks.causal, kv_cache_dtype=kv_cache_dtype)
+                            windowed=window > 0, external=mode != "split")
+
+    def scheduler_metadata(seq_lens, query_start_loc, dynamic_causal, is_causal=False):
+        return ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=seq_lens.shape[0], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_size,
+            seq_lens=seq_lens, dtype=dtype, query_start_loc=query_start_loc, causal=is_causal,
+            sliding_window_size=window if window > 0 else -1, isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+            dynamic_causal=dynamic_causal, kv_cache_dtype=kv_cache_dtype)
+
+    sched = scheduler_metadata(ks.seq_lens, ks.query_start_loc, ks.causal)
     merged = split.branching(step)
-    if external:
+    if mode == "decode":
+        paths = decode.plan_paths(merged, bt, block_size, isa=isa, num_kv_heads=num_kv_heads, head_dim=head_size,
+                                  itemsize=torch.empty((), dtype=dtype).element_size()) if merged else None
+        plan = _Plan(ks, sched, merged, None, None, paths=paths, wave_metadata=[
+            scheduler_metadata(w.seq_lens, w.query_start_loc, None, True) for w in paths.waves] if paths else None)
+    elif mode == "kernel":
         reqs = _kernel_requests(merged, bt, block_size, num_kv_heads, num_heads // num_kv_heads) if merged else None
         plan = _Plan(ks, sched, merged, None, None, reqs)
     else:
@@ -145,7 +162,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         if self.is_fp8_kv_cache:
             raise TreeSpecError(f"tree attention on CPU reads unquantised KV caches only; drop --kv-cache-dtype "
                                 f"{self.kv_cache_dtype}")
-        prepare_tree_kernel()
+        prepare_tree_attention()
 
     def tree_check_cache(self, layer, kv_cache: torch.Tensor) -> None:
         """Refuse, once the KV cache exists (vLLM's metadata builder has set `layer.isa`), a cache layout
@@ -197,12 +214,32 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
                 softcap=self.logits_soft_cap, scheduler_metadata=plan.scheduler_metadata, s_aux=self.sinks,
                 dynamic_causal=ks.causal, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
                 kv_cache_dtype=self.kv_cache_dtype)
-        if plan.tree_reqs is not None:  # the branching trees' root and node rows, in one pass
+        if plan.paths is not None:  # the branching trees' rows, as vLLM's decode of each chain
+            self._tree_decode(layer, plan.paths, plan.wave_metadata, query, kv_cache, output)
+        elif plan.tree_reqs is not None:  # the branching trees' root and node rows, in one pass
             # (whole tensors: the kernel touches the tree rows only, which are all below t)
             tree_kernel.cpu_tree_attention_step(query, kv_cache, output, plan.tree_reqs, layer.isa, self.scale,
                                                 self.logits_soft_cap or 0.0, window, self._tree_sinks())
         elif plan.merged:
             self._tree_merge(plan, query, kv_cache, attn_metadata.block_table, output, window, layer.isa)
+
+    def _tree_decode(self, layer, paths: decode.PathPlan, wave_metadata: list[torch.Tensor], query: torch.Tensor,
+                     kv_cache: torch.Tensor, output: torch.Tensor) -> None:
+        """vLLM's causal call over each wave of chain sequences (cpu_tree_decode.py)."""
+        nb, hkv, bs, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(nb, hkv, 2 * bs, -1).chunk(2, dim=2)
+        sched = {id(w): m for w, m in zip(paths.waves, wave_metadata)}
+
+        def attend(q: torch.Tensor, out: torch.Tensor, wave: decode.PathWave) -> None:
+            ops.cpu_attention_with_kv_cache(
+                query=q, key_cache=key_cache, value_cache=value_cache, output=out,
+                query_start_loc=wave.query_start_loc, seq_lens=wave.seq_lens, scale=self.scale, causal=True,
+                alibi_slopes=None, sliding_window=self.sliding_window, block_table=wave.block_table,
+                softcap=self.logits_soft_cap, scheduler_metadata=sched[id(wave)], s_aux=self.sinks,
+                dynamic_causal=None, k_scale=layer._k_scale_float, v_scale=layer._v_scale_float,
+                kv_cache_dtype=self.kv_cache_dtype)
+
+        paths.run(query, kv_cache, output, attend)
 
     def _tree_sinks(self) -> torch.Tensor | None:
         if self.sinks is None:

@@ -67,6 +67,15 @@ def cpu_gather(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int, isa: 
     return vec_gather(kv_cache, slots, head_dim)
 
 
+def cpu_write(kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int,
+              isa: str) -> None:
+    """kv_cache[slots] <- K, V [S, Hkv, D] of a CPU_ATTN cache; in place."""
+    if _cpu_form(isa) == "amx":
+        amx_write(kv_cache, slots, k, v, head_dim)
+    else:
+        vec_write(kv_cache, slots, k, v, head_dim)
+
+
 def cpu_copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, head_dim: int, isa: str) -> None:
     """kv_cache[dst] <- kv_cache[src] (K and V, every head); sources are read before any write. In place."""
     if _cpu_form(isa) == "amx":
@@ -138,14 +147,18 @@ def vec_gather(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> tu
     return k_t[blk, :, :, off], v[blk, :, off, :]
 
 
+def vec_write(kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, head_dim: int) -> None:
+    """kv_cache[slots] <- K, V [S, Hkv, D] of a CPU_ATTN (vec/vec16) cache; in place."""
+    k_t, vv, bs = vec_block_views(kv_cache, head_dim)
+    blk, off = slots // bs, slots % bs
+    k_t[blk, :, :, off] = k
+    vv[blk, :, off, :] = v
+
+
 def vec_copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, head_dim: int) -> None:
     """kv_cache[dst] <- kv_cache[src] (row-wise, for K and V). src/dst [n] int64; in place."""
-    k_t, v, bs = vec_block_views(kv_cache, head_dim)
-    sb, so, db, do = src // bs, src % bs, dst // bs, dst % bs
-    k_rows = k_t[sb, :, :, so].clone()  # [n, Hkv, D]; clone: sources may alias destinations
-    v_rows = v[sb, :, so, :].clone()
-    k_t[db, :, :, do] = k_rows
-    v[db, :, do, :] = v_rows
+    k_rows, v_rows = vec_gather(kv_cache, src, head_dim)  # [n, Hkv, D] copies: sources may alias destinations
+    vec_write(kv_cache, dst, k_rows, v_rows, head_dim)
 
 
 # ---------------------------------------------------------------------------
