@@ -39,7 +39,7 @@ def _next_pow2(x: int) -> int:
 def pick_config(head_dim: int, dtype: torch.dtype, group: int, max_query_len: int) -> TreeAttentionConfig:
     """Heuristic tiles: a tree x G heads in tiles of <= 64 (row, head) pairs, K/V tiles that fit SMEM.
 
-    Measured on an H200 (bf16, D 128, G 4; benchmarks/kernels/tune_tree_attention.py): 64 pairs, 64 keys,
+    Measured on an H200 (bf16, D 128, G 4; `run_all.py --only tune_tree_attention`): 64 pairs, 64 keys,
     4 warps, 2 stages was the fastest of 36 configs or within 7 % of it on every workload (batch 1-64,
     16-64 rows, ctx 1k-8k), and 1.03-1.77x the earlier 128-pair / 8-warp / 3-stage tiles; more programs
     of smaller tiles fill the 132 SMs better than fewer large ones.

@@ -4,7 +4,7 @@
 KV caches in vLLM 0.32's layer-strided allocation, request states) is filled in directly, plus the
 scheduler output and logits of one verify step. `run_step` then runs what the engine runs between
 the forward and vLLM's bookkeeping: `_tree_build_step` (metadata), `_sample` (verification) and the
-commit. Used by the sync-count test and by `benchmarks/step/step_overhead.py`.
+commit. Used by the sync-count test.
 
 `SyncCounter` runs code with CPU tensors as if some were on an accelerator: tensors created with an
 explicit `device=` (and everything computed from them, and `upload`'s results) count as device

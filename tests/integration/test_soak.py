@@ -16,7 +16,7 @@ clients disconnecting mid-stream. Pass:
   with nothing running or waiting;
 * `/health` and `/metrics` fine afterwards (tree counters moving), and the server still serves.
 
-The full-scale version (SmolLM2, 64 x 500, memory) is `benchmarks/soak/run_soak.py` (docs/soak.md).
+The full-scale version (SmolLM2, 64 x 500, memory) is `bench_serve.py --preset soak` (docs/soak.md).
 """
 
 import contextlib

@@ -37,7 +37,7 @@ What this adapter adds on top of the library:
   m tokens. The frequency alone ranks poorly: a continuation seen once after a
   one-token match has f = 1. The factor is the linear caps' rule (a match of m
   tokens predicts about m more) made soft. Replayed against greedy outputs
-  (`benchmarks/step/suffix_replay.py`, 96 chat / code / math prompts), the
+  (96 chat / code / math prompts of the serving benchmark's pool), the
   chance that an accepted node outranks a rejected one (AUC) is 0.83 with the
   factor and 0.74 without; it only orders nodes, the gate calibrates it;
 * a canonical tree: the order is checked (re-listed topologically if the

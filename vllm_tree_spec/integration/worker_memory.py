@@ -12,7 +12,7 @@ same reason; where the C library is not glibc, or another allocator is preloaded
 
 Reachable as the tree workers' `tree_memory` method (`integration/worker.py`), through vLLM's
 `collective_rpc` (`POST /collective_rpc {"method": "tree_memory"}` on a `VLLM_SERVER_DEV_MODE=1`
-server, as `benchmarks/soak/run_soak.py` calls it). Reads only, unless `trim` is asked for.
+server, as the soak (`benchmarks/soak/soak_run.py`) calls it). Reads only, unless `trim` is asked for.
 Where the C library is not glibc (musl, macOS) the heap fields are absent and only RSS is given.
 """
 
