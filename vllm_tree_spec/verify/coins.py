@@ -109,11 +109,6 @@ class VerifyCoins:
                 self.generators[b].set_state(states[rows_read[b]])
         self.tracked = {} if self.tracked is not None else None
 
-    def for_request(self, b: int) -> "VerifyCoins":
-        if self.exponential is None:
-            raise ValueError("for_request needs eager coins (VerifyCoins.draw(..., lazy=False))")
-        return VerifyCoins(self.uniform[b : b + 1], self.exponential[b : b + 1])
-
 
 def _fill_per_stream(out: torch.Tensor, gens: Sequence[torch.Generator | None], draw) -> torch.Tensor:
     """out[i] = draw(row shape, gens[i]) for seeded rows; all unseeded rows in one default-RNG call.
