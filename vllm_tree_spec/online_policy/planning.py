@@ -122,7 +122,7 @@ class _Measured:
 
 
 class OnlinePolicy:
-    """Plans per batch-size bucket from an acceptance profile and step costs (see the module docstring).
+    """Plans per batch-size bucket from an acceptance profile and step costs (see the package docstring).
 
     Args:
         max_nodes: the engine's per-request budget (num_speculative_tokens).
@@ -130,7 +130,7 @@ class OnlinePolicy:
         explore_every: base period, in steps, of unpruned exploration steps.
         hysteresis: a new plan must be predicted this much faster than the current one (0.05 = 5 %).
         score_gate: also drop, request by request, the nodes whose calibrated acceptance is below the
-            marginal row's break-even (deterministic and greedy trees with scores; see the module docstring).
+            marginal row's break-even (deterministic and greedy trees with scores; see the package docstring).
         max_depth: deepest tree planned (default min(max_nodes, MAX_DEPTH)).
         sync: called at every re-plan with (plans, decisions, drifted, changes) on every tensor-parallel rank,
             returns rank 0's: all ranks must draft the same trees (their timings differ).
