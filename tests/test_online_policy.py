@@ -1,4 +1,4 @@
-"""The online shape policy (online_policy.py) on synthetic drafters, targets and step costs.
+"""The online shape policy (online_policy/) on synthetic drafters, targets and step costs.
 
 A synthetic engine drives `ShapePolicy` exactly as the tree runner does: one propose call per step,
 the committed context grown by the accepted path plus a bonus token, and a fake clock that advances

@@ -1,4 +1,4 @@
-"""The shape policy's score gate (online_policy.py): per-node pruning by calibrated drafter confidence.
+"""The shape policy's score gate (online_policy/): per-node pruning by calibrated drafter confidence.
 
 A plan prunes every request's tree to the same child ranks; the gate drops, request by request, the
 nodes whose drafter score says they will rarely be accepted, when a verified row costs more than such a
