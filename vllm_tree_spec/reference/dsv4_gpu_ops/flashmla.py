@@ -204,14 +204,21 @@ def flash_mla_sparse_fwd(q: torch.Tensor, kv: torch.Tensor, indices: torch.Tenso
     valid = (idx >= 0) & (idx < s_kv)
     if topk_length is not None:
         valid &= torch.arange(topk, device=q.device).view(1, topk) < topk_length.view(s_q, 1).to(torch.int64)
-    gathered = kv.view(s_kv, -1).index_select(0, idx.clamp(0, max(s_kv - 1, 0)).view(-1)).view(s_q, topk, -1).float()
-    logits = torch.einsum("shd,skd->shk", q.float(), gathered) * sm_scale
-    logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    max_logits = logits.amax(dim=-1)
-    lse = torch.logsumexp(logits, dim=-1)
+    kv2 = kv.view(s_kv, -1)
+    o = torch.empty(s_q, h_q, d_v, dtype=torch.float32, device=q.device)
+    max_logits = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    lse = torch.empty(s_q, h_q, dtype=torch.float32, device=q.device)
+    for r0 in range(0, s_q, 64):  # row chunks bound the gathered [rows, topk, d] block
+        r1 = min(r0 + 64, s_q)
+        gathered = kv2.index_select(0, idx[r0:r1].clamp(0, max(s_kv - 1, 0)).view(-1)).view(r1 - r0, topk, -1).float()
+        logits = torch.einsum("shd,skd->shk", q[r0:r1].float(), gathered) * sm_scale
+        logits = logits.masked_fill(~valid[r0:r1].unsqueeze(1), float("-inf"))
+        max_logits[r0:r1] = logits.amax(dim=-1)
+        lse[r0:r1] = torch.logsumexp(logits, dim=-1)
+        lonely = lse[r0:r1] == float("-inf")
+        probs = torch.exp(logits - torch.where(lonely, torch.zeros_like(lse[r0:r1]), lse[r0:r1]).unsqueeze(-1))
+        o[r0:r1] = torch.einsum("shk,skd->shd", probs, gathered[..., :d_v])
     lonely = lse == float("-inf")
-    probs = torch.exp(logits - torch.where(lonely, torch.zeros_like(lse), lse).unsqueeze(-1))
-    o = torch.einsum("shk,skd->shd", probs, gathered[..., :d_v])
     if attn_sink is not None:
         o = o / (1.0 + torch.exp(attn_sink.view(1, h_q) - lse)).unsqueeze(-1)
     o = o.masked_fill(lonely.unsqueeze(-1), 0.0)
