@@ -111,6 +111,9 @@ SUBSTITUTIONS: tuple[Substitution, ...] = (
     Substitution("`torch.cuda.is_current_stream_capturing` (raises on a CPU torch)", "torch.cuda attribute",
                  "models/deepseek_v4/attention.py DeepseekV4Indexer.forward (short-context bypass)",
                  "always False: the emulation never captures CUDA graphs"),
+    Substitution("Triton interpreter's float32 -> e4m3 / bf16 / fp16 conversion (ties up, no carry into the "
+                 "exponent)", "triton.runtime.interpreter._convert_float", "every interpreted vLLM Triton kernel "
+                 "that narrows floats", "round to nearest even, as the GPU's cvt.rn"),
     Substitution("platform kernel-choice checks", f"`current_platform` in {', '.join(PLATFORM_MODULES)}; "
                  "`has_deep_gemm` and `num_compute_units` in the indexer builder",
                  "see PLATFORM_MODULES", f"EmulatedCudaPlatform (SM{EMULATED_CAPABILITY[0]}0, "
@@ -180,6 +183,33 @@ class EmulatedCudaPlatform:
 
 
 _STATE: dict = {"installed": False}
+
+
+def _fix_interpreter_downcasts() -> None:
+    """Triton's interpreter (3.9) narrows float32 to e4m3 / bf16 / fp16 by adding one at the first dropped
+    mantissa bit and OR-ing the result into the exponent field: ties round up instead of to even, and a
+    mantissa that rounds over (e4m3: 1.95 -> 2.0) loses its carry (-> 1.0). GPUs round to nearest even
+    (`cvt.rn[.satfinite]`). Interpreted vLLM kernels get torch's round-to-nearest-even conversion instead."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    if getattr(interpreter._convert_float, "_rne", False):
+        return
+    original = interpreter._convert_float
+    narrow = {tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8), tl.bfloat16: (torch.bfloat16, torch.uint16),
+              tl.float16: (torch.float16, torch.uint16)}
+
+    def convert_float(input, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype in narrow:
+            to, bits = narrow[output_dtype]
+            x = torch.from_numpy(np.ascontiguousarray(input).view(np.float32).copy())
+            return x.to(to).view(bits).numpy().reshape(input.shape)
+        return original(input, input_dtype, output_dtype, rounding_mode)
+
+    convert_float._rne = True
+    interpreter._convert_float = convert_float
 
 
 def _rebind_everywhere(module_name: str, names: dict) -> None:
@@ -338,6 +368,7 @@ def install(*, fast: bool = True) -> tuple[Substitution, ...]:
     sys.modules["vllm.models.deepseek_v4.attention"].fused_indexer_q_rope_quant = \
         ref_indexer.fused_indexer_q_rope_quant
     _register_torch_ops()
+    _fix_interpreter_downcasts()
     if not torch.cuda.is_available():  # a CPU torch raises here; nothing is ever captured in the emulation
         torch.cuda.is_current_stream_capturing = lambda: False
 
