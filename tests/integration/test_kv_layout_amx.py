@@ -122,6 +122,7 @@ def test_self_test_refuses_what_it_cannot_check(monkeypatch, fresh_self_tests):
 
 
 @pytest.mark.vllm
+@pytest.mark.amx
 @pytest.mark.skipif(not kv_layout.amx_available(), reason=NO_AMX)
 @pytest.mark.parametrize("d,bs,hkv", [(64, 32, 2), (128, 128, 1), (32, 64, 3)])
 def test_model_matches_vllm_amx_op(d, bs, hkv, fresh_self_tests):

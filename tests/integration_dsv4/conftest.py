@@ -88,7 +88,7 @@ def _mine(item) -> bool:
     return pathlib.Path(str(item.fspath)).resolve().parent == HERE
 
 
-def pytest_collection_modifyitems(config, items):
+def _choose_mode(items) -> None:
     mine = [i for i in items if _mine(i)]
     if not mine or _mode["run"] is not None:
         return
@@ -111,6 +111,39 @@ def pytest_collection_modifyitems(config, items):
         elif no_kernels and item.get_closest_marker("vllm") is not None \
                 and getattr(getattr(item, "module", None), "NEEDS_VLLM_DSV4_KERNELS", True):
             item.add_marker(pytest.mark.skip(reason=no_kernels))
+
+
+_selected: list[str] = []  # node ids the gate passes to its child (empty: the whole directory)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config, items):
+    """Choose where the tests run; in gate mode the gate runs what this process selects.
+
+    The gate is kept out of pytest's own selection (`-m`, `-k`) and put back exactly when some
+    DeepSeek-V4 test remains selected; it hands those tests' node ids to the child. So `-m amx` runs
+    the gate only if a test here carries `amx`, and the child runs just those. Collected without any
+    other test of this directory (the gate file alone), the gate is selected as any test."""
+    _choose_mode(items)
+    gate = next((i for i in items if _mine(i) and pathlib.Path(str(i.fspath)).name == GATE), None)
+    others = [i for i in items if _mine(i) and i is not gate]
+    if _mode["run"] != "gate" or gate is None or not others:
+        return (yield)
+    items.remove(gate)
+    result = yield
+    selected = [i for i in items if _mine(i)]
+    if selected:
+        _selected[:] = [] if len(selected) == len(others) else [i.nodeid for i in selected]
+        items.insert(items.index(selected[-1]) + 1, gate)
+    else:
+        config.hook.pytest_deselected(items=[gate])
+    return result
+
+
+@pytest.fixture
+def dsv4_selected() -> list[str]:
+    """Node ids of the DeepSeek-V4 tests this process selected for the gate's child (empty: all of them)."""
+    return list(_selected)
 
 
 @pytest.fixture(scope="session")
