@@ -38,7 +38,7 @@ def _prompts(n, seed=0):
 
 @pytest.mark.vllm
 def test_top_k_requests_do_not_crash_the_engine(peaked):
-    """Issue 14's repro: 200 seeded top_k=4 requests (T = 1), n-gram tree D = 6. On the old code a step
+    """The reported crash: 200 seeded top_k=4 requests (T = 1), n-gram tree D = 6. On the old code a step
     with spec-decode metadata and no tree went to vLLM's RejectionSampler and crashed in apply_top_k_only."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
