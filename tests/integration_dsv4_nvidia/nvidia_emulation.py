@@ -10,11 +10,13 @@ The emulated device is an SM90 GPU (an H200: 132 SMs) without CuTeDSL: vLLM's mo
 platform for kernel choice see that device through `EmulatedCudaPlatform`, so they take their CUDA branches
 (the indexer builder's native / flattened decode split and its DeepGEMM schedule, the CUDA top-k chain, the
 CuTeDSL main compressor and the C128 boundary skip, the SM90 FP8 einsum recipe); everything else (device,
-memory, workers, distributed, attention-backend selection) stays the CPU platform. Where vLLM would use a
-CuTeDSL kernel only `if has_cutedsl()` (indexer q quantization, the prefill gather), it runs its own Triton
-kernel, exactly as on a CUDA machine without CuTeDSL.
+memory, workers, distributed, attention-backend selection) stays the CPU platform. Where vLLM picks CuTeDSL
+only `if has_cutedsl()` (the indexer q quantization), the pack's reference of that kernel's contract runs
+(checked byte for byte against vLLM's Triton fallback in test_pack_vs_vllm.py).
 
 The substitutions are listed in `SUBSTITUTIONS` (what, where vLLM reads it, the caller, the reference).
+`install(fast=True)` (the default) also replaces compute-only Triton kernels whose interpretation dominates a
+step by torch ports (fast_triton_ports.py, each checked against the interpreted kernel).
 """
 
 from __future__ import annotations

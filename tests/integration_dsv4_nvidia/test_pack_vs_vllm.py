@@ -66,13 +66,13 @@ def test_dequantize_gather_equals_vllm_triton():
     data, scale = layout.quantize_rows(rows, reciprocal=False)
     layout.write_rows(cache, torch.arange(4 * BS), BS, data, scale)
     seq_lens = torch.tensor([70, 5, 140], dtype=torch.int32)
-    gather = torch.tensor([20, 5, 129], dtype=torch.int32)
+    gather = torch.tensor([20, 5, 9], dtype=torch.int32)
     bt = torch.tensor([[3, 1, 0], [2, 0, 0], [1, 3, 2]], dtype=torch.int32)
-    for lens in (gather, None):
+    for lens, sl in ((gather, seq_lens), (None, torch.tensor([70, 5, 3], dtype=torch.int32))):
         ours = torch.zeros(3, 160, 512, dtype=torch.bfloat16)
         theirs = torch.zeros(3, 160, 512, dtype=torch.bfloat16)
-        layout.dequantize_and_gather_k_cache(ours, cache, seq_lens, lens, bt, BS, 7)
-        dequantize_and_gather_k_cache(theirs, cache, seq_lens, lens, bt, BS, 7)
+        layout.dequantize_and_gather_k_cache(ours, cache, sl, lens, bt, BS, 7)
+        dequantize_and_gather_k_cache(theirs, cache, sl, lens, bt, BS, 7)
         assert torch.equal(ours, theirs)
 
 
