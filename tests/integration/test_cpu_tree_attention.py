@@ -69,9 +69,10 @@ def _causal_oracle(q, k, v, scale, window, softcap, sinks, g):
     return torch.einsum("hqk,khd->qhd", p, v.double().repeat_interleave(g, dim=1))
 
 
-AMX = pytest.mark.skipif(not kv_layout.amx_available(),
+AMX = [pytest.mark.amx, pytest.mark.skipif(not kv_layout.amx_available(),
                          reason="ISA amx: this CPU has no AMX tiles, so vLLM's amx cache and attention ops cannot run "
-                                "(the amx layout's model is tested in test_kv_layout_amx.py / test_cpu_tree_split.py)")
+                                "(the amx layout's model is tested in test_kv_layout_amx.py / test_cpu_tree_split.py)")]
+
 
 
 @pytest.mark.vllm
