@@ -80,9 +80,10 @@ def make_case(batch: int, context: int, nodes: int, dtype=torch.float32, seed: i
     g = torch.Generator().manual_seed(seed)
     seq_len = context + 1 + nodes
     per_req = -(-seq_len // BLOCK)
-    nb = batch * per_req + 1
+    scratch = batch * len(_tree(nodes, shape).leaves) * 2  # the decode path's scratch: every chain in one call
+    nb = batch * per_req + 1 + scratch
     kv_cache = torch.randn(nb, KV_HEADS, BLOCK, 2 * HEAD_DIM, generator=g).to(dtype)
-    block_table = torch.randperm(nb, generator=g)[: batch * per_req].view(batch, per_req).to(torch.int32)
+    block_table = torch.randperm(nb - scratch, generator=g)[: batch * per_req].view(batch, per_req).to(torch.int32)
     rows = batch * (nodes + 1)
     query = torch.randn(rows, HEADS, HEAD_DIM, generator=g).to(dtype)
     tree = _tree(nodes, shape)
@@ -101,7 +102,16 @@ def make_case(batch: int, context: int, nodes: int, dtype=torch.float32, seed: i
     sched = ops.cpu_attn_get_scheduler_metadata(batch, HEADS, KV_HEADS, HEAD_DIM, seq_lens, dtype, qsl, True, -1,
                                                 isa, True)
     return SimpleNamespace(kv_cache=kv_cache, block_table=block_table, query=query, step=TreeStep(reqs), md=md,
-                           impl=impl, layer=layer, sched=sched, reqs=reqs, dtype=dtype)
+                           impl=impl, layer=layer, sched=sched, reqs=reqs, dtype=dtype,
+                           scratch=range(nb - scratch, nb))
+
+
+def _step(case):
+    from vllm_tree_spec.integration.tree_step import TreeStep
+
+    step = TreeStep(case.reqs)
+    step.scratch_blocks = case.scratch
+    return step
 
 
 def providers(case) -> dict:
@@ -122,7 +132,7 @@ def providers(case) -> dict:
 
     from vllm_tree_spec.integration.tree_step import TreeStep
 
-    steps = {path: TreeStep(case.reqs)  # one cached plan per path
+    steps = {path: _step(case)  # one cached plan per path
              for path in ("kernel", "split", "decode")}
     for path, step in steps.items():
         with _path(path):
@@ -158,7 +168,7 @@ def providers(case) -> dict:
                                   scale=case.impl.scale, softcap=0)
 
     def plan_build():
-        step = TreeStep(case.reqs)
+        step = _step(case)
         cpu_attention._plan(step, md, BLOCK, 0, HEADS, KV_HEADS, HEAD_DIM, case.dtype, "vec", "auto")
 
     return {"stock_causal": stock, "tree_kernel": tree, "tree_op": tree_op, "tree_split": split,
@@ -220,7 +230,7 @@ def correctness(case, path: str) -> float:
 
     out = torch.zeros_like(case.query)
     with _path(path):
-        case.impl._tree_forward(case.layer, TreeStep(case.reqs), case.query, case.kv_cache, case.md, out)
+        case.impl._tree_forward(case.layer, _step(case), case.query, case.kv_cache, case.md, out)
     worst = 0.0
     g = HEADS // KV_HEADS
     for r in case.reqs:

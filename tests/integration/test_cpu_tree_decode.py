@@ -86,8 +86,10 @@ def _trees(rng, n):
             Tree([-1, -1] + list(range(n - 2)), list(range(n)))]
 
 
-def run_step(*, isa, dtype, head_dim, hkv, g, bs, window, softcap, sinks, ctxs, split_kv, seed, mode="decode"):
-    """(tree-path output, per-row decode references, kv_cache before, kv_cache after, the step)."""
+def run_step(*, isa, dtype, head_dim, hkv, g, bs, window, softcap, sinks, ctxs, split_kv, seed, mode="decode",
+             scratch=0):
+    """(tree-path output, per-row decode references, kv_cache before, kv_cache after, the step); `scratch` cache
+    blocks beyond the requests' serve as the step's scratch blocks."""
     from vllm_tree_spec.integration import cpu_attention
 
     rng = random.Random(seed)
@@ -97,9 +99,10 @@ def run_step(*, isa, dtype, head_dim, hkv, g, bs, window, softcap, sinks, ctxs, 
     trees = [t for n in (6, 9) for t in _trees(rng, n)]
     reqs_spec = [(ctx, trees[(i * 2 + seed) % len(trees)]) for i, ctx in enumerate(ctxs)]
     max_blocks = max(c + 1 + t.num_nodes for c, t in reqs_spec) // bs + 1
-    nb = len(reqs_spec) * max_blocks
+    owned = len(reqs_spec) * max_blocks
+    nb = owned + scratch
     kv_cache = torch.zeros(nb, hkv, bs, 2 * head_dim, dtype=dtype)
-    perm = torch.randperm(nb)
+    perm = torch.randperm(owned)
     block_table = torch.zeros(len(reqs_spec), max_blocks, dtype=torch.int32)
     reqs, kvs, rows = [], [], 1  # row 0: an ordinary row (no tree)
     for b, (ctx, tree) in enumerate(reqs_spec):
@@ -115,6 +118,7 @@ def run_step(*, isa, dtype, head_dim, hkv, g, bs, window, softcap, sinks, ctxs, 
     output = torch.zeros(rows, h, head_dim, dtype=dtype)
     before = kv_cache.clone()
     step = TreeStep(reqs)
+    step.scratch_blocks = range(owned, nb)
     # vLLM's metadata for the step: request b's rows are its root + nodes (query rows at its last positions)
     seq_lens = torch.tensor([r.seq_len for r in reqs], dtype=torch.int32)
     qsl = torch.tensor([1] + [r.root_row + r.num_nodes + 1 for r in reqs], dtype=torch.int32)
@@ -136,6 +140,7 @@ def run_step(*, isa, dtype, head_dim, hkv, g, bs, window, softcap, sinks, ctxs, 
             idx = list(range(r.root_pos + 1)) + [r.root_pos + 1 + j for j in path]
             refs[r.root_row + 1 + node] = decode_reference(query[r.root_row + 1 + node], k[idx], v[idx], isa=isa,
                                                            bs=bs, impl=impl, split_kv=split_kv)
+    kv_cache, before = kv_cache[:owned], before[:owned]  # scratch blocks hold anything afterwards
     return output, refs, before, kv_cache, step
 
 
@@ -159,18 +164,21 @@ def threads(request):
 
 
 @pytest.mark.parametrize("isa,dtype,head_dim,hkv,g,bs,window,softcap,sinks", CASES)
+@pytest.mark.parametrize("scratch", [64, 3, 0], ids=["one-call", "some-scratch", "waves-only"])
 @pytest.mark.parametrize("split_kv,threads", [(False, 2), (True, 1)], ids=["split-kv-off-2-threads", "split-kv-on-1-thread"],
                          indirect=["threads"])
-def test_tree_rows_equal_vllm_decode_bit_for_bit(isa, dtype, head_dim, hkv, g, bs, window, softcap, sinks, split_kv,
-                                                  threads):
+def test_tree_rows_equal_vllm_decode_bit_for_bit(isa, dtype, head_dim, hkv, g, bs, window, softcap, sinks, scratch,
+                                                  split_kv, threads):
     kv_layout.self_test(isa, dtype, head_dim, bs, hkv)
     out, refs, before, after, step = run_step(
         isa=isa, dtype=dtype, head_dim=head_dim, hkv=hkv, g=g, bs=bs, window=window, softcap=softcap, sinks=sinks,
-        ctxs=CTXS, split_kv=split_kv, seed=head_dim + bs)
+        ctxs=CTXS, split_kv=split_kv, seed=head_dim + bs, scratch=scratch)
     rows = _tree_rows(step)
     diff = out[rows] != refs[rows]
     assert not diff.any(), f"{diff.float().mean():.3f} of tree-row elements differ from vLLM's decode"
     assert torch.equal(after, before)  # every draft slot holds its own node's K/V again
+    calls = len(step._cpu_attn_plans[next(iter(step._cpu_attn_plans))].paths.waves)
+    assert (calls == 1) == (scratch == 64), calls  # enough scratch: one vLLM call for every chain
 
 
 @pytest.mark.parametrize("threads", [2], indirect=True)
@@ -236,6 +244,29 @@ def test_plan_writes_only_what_changes():
     assert (slot["w2"], src["w2"]) == ([9], [10])
     assert slot["r"] == src["r"] == [9, 10, 11]  # n4's slot (P+5) was never overwritten
     assert w0.block_table.tolist() == [[3, 0, 1, 2]]
+
+
+def test_plan_with_scratch_runs_every_chain_in_one_call():
+    """The first chain overlays the request's own blocks; the others read scratch blocks: a copy of the block
+    where their path leaves the in-place layout, then their path at the slots a decode step reads."""
+    from vllm_tree_spec.integration.cpu_tree_decode import plan_paths
+
+    tree = Tree([-1, -1, 0, 0, 2], [1, 2, 3, 4, 5])  # the tree of test_plan_writes_only_what_changes
+    req = TreeRequestStep("a", 0, 10, 40, tree, Mode.GREEDY, None, {})
+    bt = torch.tensor([[3, 0, 1, 2]], dtype=torch.int32)
+    plan = plan_paths(TreeStep([req]), bt, 32, isa="vec", num_kv_heads=1, head_dim=4, itemsize=4,
+                      scratch=range(7, 10))
+    (w0,) = plan.waves
+    assert plan.rows[w0.rows].tolist() == [10, 11, 13, 15, 14, 12] and w0.seq_lens.tolist() == [44, 43, 42]
+    # chain [n3]: path n0, n3 leaves the layout at depth 2 (position 42, block 0): scratch 7 copies block 0;
+    # chain [n1]: leaves it at depth 1 (position 41, block 0 too): scratch 8, also a copy of block 0
+    assert w0.block_table.tolist() == [[3, 0, 1, 2], [3, 7, 1, 2], [3, 8, 1, 2]]
+    assert plan.block_src.tolist() == [0, 0] and plan.block_dst.tolist() == [7, 8]
+    per_slot = 8
+    dst = plan.dst[w0.writes][::per_slot]
+    assert (dst // 256 * 32 + dst % 256).tolist() == [10, 11, 7 * 32 + 10, 8 * 32 + 9]  # own P+2, P+3; scratch
+    restored = plan.dst[plan.restore][::per_slot]
+    assert (restored // 256 * 32 + restored % 256).tolist() == [10, 11]  # only the first chain's overlay
 
 
 def test_leaving_out_the_path_writes_is_caught(monkeypatch):

@@ -135,7 +135,8 @@ def _plan(step: TreeStep, attn_metadata, block_size: int, window: int, num_heads
     merged = split.branching(step)
     if mode == "decode":
         paths = decode.plan_paths(merged, bt, block_size, isa=isa, num_kv_heads=num_kv_heads, head_dim=head_size,
-                                  itemsize=torch.empty((), dtype=dtype).element_size()) if merged else None
+                                  itemsize=torch.empty((), dtype=dtype).element_size(),
+                                  scratch=getattr(step, "scratch_blocks", range(0))) if merged else None
         plan = _Plan(ks, sched, merged, None, None, paths=paths, wave_metadata=[
             scheduler_metadata(w.seq_lens, w.query_start_loc, None, True) for w in paths.waves] if paths else None)
     elif mode == "kernel":

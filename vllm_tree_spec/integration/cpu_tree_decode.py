@@ -15,16 +15,21 @@ of vLLM's `cpu_attention_with_kv_cache`:
     query       the chain's rows: the last rows of the sequence, causal
 
 vLLM's slot mapping put node i at position P+1+i of the request's own blocks, so the path a chain
-needs is not where a decode step would read it. The chains of a request therefore run in waves,
-one vLLM call per wave (wave w: the w-th chain of every request that has one): before a wave the
-path of each of its chains is written over the request's own draft slots P+1 .. P+d_e (only the
-slots that do not hold it already), and after the last wave every overwritten draft slot gets its
-own node's K/V back, so the commit finds each node where vLLM put it. Draft slots belong to the
+needs is not where a decode step would read it. A request's first chain reads its own blocks with its
+path written over the draft slots P+1 .. P+d_e (only the slots that do not hold it already); its other
+chains read **scratch blocks**, block ids no request owns (reserved when the KV cache is allocated,
+`TreeStep.scratch_blocks`): from the chain's first out-of-place position on, its block-table row points
+at scratch blocks, the first a copy of the request's block (the prefix keys before that position), and
+the path's K/V are written at the slots a decode step would read. Then all chains of the step run in one
+vLLM call. Chains that find no free scratch run in later calls (waves) over the request's own blocks,
+overlaid the same way; the same bits either way. After the last call every overwritten draft slot gets
+its own node's K/V back, so the commit finds each node where vLLM put it. Draft slots belong to the
 request alone (uncomputed positions are never in a shared prefix-cache block).
 
-Per layer a step costs one gather of every value it will write (read before any write), one gather
-of the query rows, per wave one scatter of its path slots and one vLLM call, one scatter of the
-outputs and one restoring scatter, all on flat element indices (slots placed by the layer's ISA
+Per layer a step costs one gather of every value it will write (read before any write), the scratch
+blocks' copies, one gather of the query rows, per wave one scatter of its path slots and one vLLM call
+(vLLM's call has a fixed cost of about 0.1 ms on one thread, hence scratch: one call per step), one
+scatter of the outputs and one restoring scatter, all on flat element indices (slots placed by the layer's ISA
 layout, `kv_layout.cpu_slot_offsets`); the plan is built once per step and KV-cache group and
 shared by every layer.
 """
@@ -48,7 +53,8 @@ class PathWave:
     writes: slice  # its path writes' elements within `PathPlan.src` / `dst`
     query_start_loc: torch.Tensor  # [S + 1] int32
     seq_lens: torch.Tensor  # [S] int32
-    block_table: torch.Tensor  # [S, max_blocks] int32, each sequence's request row of vLLM's block table
+    block_table: torch.Tensor  # [S, max_blocks] int32: the request's row of vLLM's table, or a copy of it
+    #                            with scratch blocks from the chain's first out-of-place position on
 
 
 @dataclass
@@ -61,6 +67,8 @@ class PathPlan:
     src: torch.Tensor  # [E] int64 element index (in the layer's flattened cache) of every value written ...
     dst: torch.Tensor  # [E] int64 ... and where it goes; a slot is Hkv * 2D elements (its K and V, every head)
     restore: slice  # the elements that put every overwritten draft slot's own K/V back
+    block_src: torch.Tensor  # [C] int64 request blocks copied whole, before any write, ...
+    block_dst: torch.Tensor  # [C] int64 ... into these scratch blocks
 
     def run(self, query: torch.Tensor, kv_cache: torch.Tensor, output: torch.Tensor,
             attend: Callable[[torch.Tensor, torch.Tensor, PathWave], None]) -> None:
@@ -68,6 +76,8 @@ class PathPlan:
         causal call over the wave's sequences; kv_cache [nb, Hkv, bs, 2D] (contiguous) is left as it was."""
         flat = kv_cache.view(-1)
         values = torch.index_select(flat, 0, self.src)  # [E]
+        if self.block_dst.numel():
+            kv_cache.index_copy_(0, self.block_dst, torch.index_select(kv_cache, 0, self.block_src))
         q = torch.index_select(query, 0, self.rows)  # [M, H, D]
         out = output.new_empty((q.shape[0],) + tuple(output.shape[1:]))
         try:
@@ -80,38 +90,61 @@ class PathPlan:
 
 
 def plan_paths(step: TreeStep, block_table: torch.Tensor, block_size: int, *, isa: str, num_kv_heads: int,
-               head_dim: int, itemsize: int) -> PathPlan:
+               head_dim: int, itemsize: int, scratch: range = range(0)) -> PathPlan:
     """The chain sequences of the step's branching trees (all requests of `step`), in waves.
 
     block_table [num_reqs, max_blocks] int32 is the KV group's table (vLLM's, by request index); the
     layout arguments are those of the group's caches, [num_blocks, num_kv_heads, block_size, 2 * head_dim].
+    `scratch`: cache block ids no request owns (reserved at KV-cache allocation). A request's first chain
+    reads its own blocks; its other chains read scratch blocks while there are enough, all in the first
+    vLLM call, and otherwise run in later waves over the request's own blocks.
     """
     bt = block_table.tolist()
     bs = block_size
     waves: list[dict] = []
     restore: list[tuple[int, int]] = []  # (slot, slot): own K/V back
+    blocks: list[tuple[int, int]] = []  # (own block, scratch block): copied whole before any write
+    free = list(scratch)
 
-    def slot(req: int, pos: int) -> int:
-        return bt[req][pos // bs] * bs + pos % bs
+    def wave_at(w: int) -> dict:
+        while w >= len(waves):
+            waves.append({"rows": [], "q_lens": [], "seq_lens": [], "tables": [], "writes": []})
+        return waves[w]
 
     for r in step.requests:
         P, n = r.root_pos, r.num_nodes
+        own = bt[r.req_index]
         holds = list(range(n + 1))  # holds[k]: the node row whose K/V position P + k has now (row k at first)
         parents = r.tree.parents.tolist()
-        for w, chain in enumerate(r.tree.chain_cover):
-            if w == len(waves):
-                waves.append({"rows": [], "q_lens": [], "seq_lens": [], "reqs": [], "writes": []})
-            wave = waves[w]
+        in_place = 0  # chains of this request that ran over its own blocks (one per wave)
+        for c, chain in enumerate(r.tree.chain_cover):
             path = _path_rows(parents, chain[0] - 1) + chain[1:] if chain[0] else chain[1:]  # rows at depths 1..
-            for d, row in enumerate(path, start=1):
-                if holds[d] != row:  # node row `row` sits at position P + row
-                    wave["writes"].append((slot(r.req_index, P + row), slot(r.req_index, P + d)))
-                    holds[d] = row
+            d_e = len(path)
+            f = next((d for d, row in enumerate(path, start=1) if row != d), None)  # first out-of-place depth
+            need = 0 if f is None else (P + d_e) // bs - (P + f) // bs + 1
+            if c > 0 and f is not None and need <= len(free):  # scratch blocks, first call
+                wave, table = wave_at(0), list(own)
+                b0 = (P + f) // bs
+                for j in range(need):
+                    table[b0 + j] = free.pop(0)
+                if (P + f) % bs:  # keys before P + f in that block: the prefix and in-place path nodes
+                    blocks.append((own[b0], table[b0]))
+                for d in range(f, d_e + 1):  # node row `row` sits at position P + row of the own blocks
+                    src, dst = P + path[d - 1], P + d
+                    wave["writes"].append((own[src // bs] * bs + src % bs, table[dst // bs] * bs + dst % bs))
+            else:  # the request's own blocks, overlaid with the path
+                wave, table = wave_at(in_place), own
+                in_place += 1
+                for d, row in enumerate(path, start=1):
+                    if holds[d] != row:
+                        src, dst = P + row, P + d
+                        wave["writes"].append((own[src // bs] * bs + src % bs, own[dst // bs] * bs + dst % bs))
+                        holds[d] = row
             wave["rows"].extend(r.root_row + c for c in chain)
             wave["q_lens"].append(len(chain))
-            wave["seq_lens"].append(P + 1 + len(path))
-            wave["reqs"].append(r.req_index)
-        restore.extend((slot(r.req_index, P + k),) * 2 for k in range(1, n + 1) if holds[k] != k)
+            wave["seq_lens"].append(P + 1 + d_e)
+            wave["tables"].append(table)
+        restore.extend(((own[(P + k) // bs] * bs + (P + k) % bs),) * 2 for k in range(1, n + 1) if holds[k] != k)
     per_slot = num_kv_heads * 2 * head_dim  # elements of one slot (K and V, every head)
     rows, pairs, out = [], [], []
     for w in waves:
@@ -121,7 +154,7 @@ def plan_paths(step: TreeStep, block_table: torch.Tensor, block_size: int, *, is
         writes = slice(len(pairs) * per_slot, (len(pairs) + len(w["writes"])) * per_slot)
         out.append(PathWave(slice(len(rows), len(rows) + loc[-1]), writes, torch.tensor(loc, dtype=torch.int32),
                             torch.tensor(w["seq_lens"], dtype=torch.int32),
-                            block_table[torch.tensor(w["reqs"], dtype=torch.long)]))
+                            torch.tensor(w["tables"], dtype=block_table.dtype)))
         rows.extend(w["rows"])
         pairs.extend(w["writes"])
     restore_at = slice(len(pairs) * per_slot, (len(pairs) + len(restore)) * per_slot)
@@ -133,8 +166,11 @@ def plan_paths(step: TreeStep, block_table: torch.Tensor, block_size: int, *, is
         cols = kv_layout.cpu_slot_offsets(isa, t % bs, head_dim, bs, itemsize)  # [S, 2D] in a (block, head) run
         return ((t[:, None, None] // bs * num_kv_heads + heads) * (bs * 2 * head_dim) + cols[:, None, :]).reshape(-1)
 
+    def ids(i: int) -> torch.Tensor:
+        return torch.tensor([b[i] for b in blocks], dtype=torch.long)
+
     return PathPlan(torch.tensor(rows, dtype=torch.long), out, elements([p[0] for p in pairs]),
-                    elements([p[1] for p in pairs]), restore_at)
+                    elements([p[1] for p in pairs]), restore_at, ids(0), ids(1))
 
 
 def _path_rows(parents: list[int], node: int) -> list[int]:
