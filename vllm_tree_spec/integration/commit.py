@@ -38,6 +38,21 @@ from vllm_tree_spec.integration import kv_layout
 from vllm_tree_spec.integration.tree_step import TreeRequestStep, TreeStep
 
 
+def commit_verified(runner, adapter, step: TreeStep, tree_idx: list[int], result, host) -> tuple[list, list]:
+    """After verification (runner-agnostic): move every accepted path's KV into place through the model
+    family's adapter (`adapters.py`: on the device from the verifier's tensors, or from host lists) and
+    return (requests, accepted paths) in the verifier's order, read from its host copy (no sync)."""
+    by_index = step.by_index()
+    reqs = [by_index[b] for b in tree_idx]
+    acc, num = host.accepted_nodes.tolist(), host.num_accepted.tolist()
+    paths = [a[:k] for a, k in zip(acc, num)]
+    if getattr(adapter, "device_commit", False):  # on the device, from the verifier's tensors
+        adapter.commit(runner, step, result)
+    else:
+        adapter.commit(runner, reqs, paths)
+    return reqs, paths
+
+
 def commit_accepted_paths(runner, requests: "list[TreeRequestStep] | TreeStep",
                           accepted: "list[list[int]] | TreeVerifyOutput") -> int:  # noqa: F821
     """Move every accepted path into place in every KV cache layer.

@@ -109,10 +109,11 @@ def kernel_split(step: TreeStep, query_start_loc: torch.Tensor, seq_lens: torch.
         if t is None:
             add(qsl[r + 1] - qsl[r], sls[r], dyn[r] if dyn is not None else causal, r)
             continue
-        if t.root_row + 1 + t.num_nodes != qsl[r + 1]:
-            raise RuntimeError(f"request {t.req_id}: tree rows {t.root_row}..{t.root_row + t.num_nodes} are not the "
-                               f"last query rows of the request (query rows {qsl[r]}..{qsl[r + 1] - 1})")
-        if t.tree.is_chain():
+        if t.root_row + 1 + t.num_nodes + t.num_pads != qsl[r + 1]:
+            raise RuntimeError(f"request {t.req_id}: tree rows {t.root_row}..{t.root_row + t.num_nodes} and "
+                               f"{t.num_pads} pad rows are not the last query rows of the request (query rows "
+                               f"{qsl[r]}..{qsl[r + 1] - 1})")
+        if t.tree.is_chain():  # pad rows (V2) follow the chain causally: the chain's rows never see them
             add(qsl[r + 1] - qsl[r], sls[r], True, r)
             continue
         if t.root_row > qsl[r]:
@@ -124,6 +125,8 @@ def kernel_split(step: TreeStep, query_start_loc: torch.Tensor, seq_lens: torch.
             add(t.num_nodes, 1, False, r)
         else:
             add(t.num_nodes + 1, t.root_pos + 1, False, r)
+        if t.num_pads:  # pad rows (V2): one key each, never read; computed so their outputs stay finite
+            add(t.num_pads, 1, False, r)
     loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
     loc[1:] = torch.tensor(q_lens, dtype=torch.int32).cumsum(0)
     return KernelSplit(loc, torch.tensor(s_lens, dtype=torch.int32), torch.tensor(flags, dtype=torch.int32),

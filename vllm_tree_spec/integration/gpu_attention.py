@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_tree_spec.integration.tree_step import TreeStep
-from vllm_tree_spec.tree import TreeBatch
+from vllm_tree_spec.tree import NO_PARENT, Tree, TreeBatch
 
 
 @dataclass
@@ -53,8 +53,8 @@ def plan_step(step: TreeStep, num_reqs: int, device: torch.device | str) -> _Pla
         if r.req_index >= num_reqs:
             raise RuntimeError(f"tree request {r.req_id} at batch row {r.req_index} is outside the {num_reqs} "
                                f"requests of the attention metadata")
-        counts[r.req_index + 1] = r.num_nodes
-    batch = TreeBatch.from_trees([r.tree for r in reqs])
+        counts[r.req_index + 1] = r.num_nodes + r.num_pads
+    batch = TreeBatch.from_trees([_with_pads(r.tree, r.num_pads) for r in reqs])
 
     def dev(x):
         return x.to(dtype=torch.int32).pin_memory().to(device, non_blocking=True) if torch.device(device).type == \
@@ -64,6 +64,16 @@ def plan_step(step: TreeStep, num_reqs: int, device: torch.device | str) -> _Pla
                  depth=dev(batch.depth))
     cache[key] = plan
     return plan
+
+
+def _with_pads(tree: Tree, num_pads: int) -> Tree:
+    """The kernel reads a request's last N query rows as its draft nodes: Model Runner V2's pad rows (after
+    the nodes) join as leaves under the root that see only the prefix, the root and themselves (their output
+    is never read; one launch computes them with the rest)."""
+    if not num_pads:
+        return tree
+    return Tree(torch.cat([tree.parents, torch.full((num_pads,), NO_PARENT)]),
+                torch.cat([tree.tokens, torch.zeros(num_pads, dtype=torch.long)]))
 
 
 def attention_paged(

@@ -1,4 +1,4 @@
-"""The GPU worker of a tree engine: V1 GPU runner + tree hooks, tree-aware FLASH_ATTN / TRITON_ATTN.
+"""The V1 adapter's GPU worker: V1 GPU runner + tree hooks, tree-aware FLASH_ATTN / TRITON_ATTN.
 
 Selected by the config route on CUDA platforms (never imported on CPU). vLLM's
 GPU `Worker` builds its runner through `_make_model_runner`, a documented
@@ -13,7 +13,7 @@ from vllm.v1.worker.gpu_worker import Worker
 from vllm_tree_spec.config import TreeSpecError
 from vllm_tree_spec.integration.gpu_attention import TREE_GPU_BACKENDS
 from vllm_tree_spec.integration.runner import TreeRunnerMixin
-from vllm_tree_spec.integration.worker import TreeWorkerProbes, tree_attention_backends
+from vllm_tree_spec.integration.worker_common import TreeWorkerProbes, tree_attention_backends
 
 
 class TreeGPUModelRunner(TreeRunnerMixin, GPUModelRunner):

@@ -1,10 +1,14 @@
-"""The object vLLM builds as its `custom_class` drafter; it owns our tree drafter.
+"""The tree drafter of a tree engine, and one drafting step (runner-agnostic).
 
-vLLM constructs `TreeProposer(vllm_config)` because the config route rewrites
-`method: "tree"` to `method: "custom_class"` with this class path. vLLM's own
-`propose(...)` call is never reached: the tree runner's
-`propose_draft_token_ids` calls `propose_trees` with request ids, contexts and
-per-request budgets, which the chain interface cannot carry.
+`TreeProposer(vllm_config)` owns the tree drafter the config asks for. On vLLM's V1
+model runner vLLM builds it as its `custom_class` drafter (the config route rewrites
+`method: "tree"` to `method: "custom_class"` with this class path), and vLLM's own chain
+`propose(...)` call is never reached; on Model Runner V2 the tree speculator
+(`v2/speculator.py`) builds it. Either runner adapter calls `draft` once per step with
+each request's committed context and room: `draft` applies the node budget, serves
+requests whose sampling parameters read drafts as a chain without drafts
+(`tree_sampler.unsupported_reason`), and keeps a drafter failure from killing the
+requests in flight.
 
 Model-free drafters (suffix, n-gram) build their own trees and only take a node
 budget from the `tree` layout, except `"chain:K"`: there each proposal is pruned
@@ -17,6 +21,8 @@ linear `suffix` draft).
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
 from typing import Sequence
 
 from vllm_tree_spec.config import TreeSpecConfig
@@ -25,6 +31,17 @@ from vllm_tree_spec.drafters.base import DraftRequest, TreeDrafter, TreeProposal
 PROPOSER_PATH = "vllm_tree_spec.integration.proposer.TreeProposer"
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DraftInput:
+    """One request's input to a drafting step, as a runner adapter reads it from its batch."""
+
+    req_id: str
+    token_ids: Sequence[int]  # [L] committed context, prompt + outputs; token_ids[-1] is the root
+    state: object  # the request's state: sampling_params, prompt_token_ids
+    room: int  # draft nodes that fit before max_model_len
+    ready: bool  # it has a new token to draft from (False: a partial prefill, part of its context is not computed)
 
 
 def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
@@ -158,6 +175,43 @@ class TreeProposer:
         raise RuntimeError("TreeProposer.propose is not a chain proposer; the tree runner calls propose_trees")
 
     # -- the tree runner's interface ------------------------------------------------------------
+
+    def draft(self, inputs: list[DraftInput], budget: int, *, skip_logged: set, stats) -> list[TreeProposal | None]:
+        """One drafting step: a tree per ready request (None for the others), each within min(budget, room)
+        nodes; 0 nodes for requests whose sampling parameters read drafts as a chain (logged once per
+        request: `skip_logged`). A drafter exception is logged and counted (`stats.drafter_failures`) and the
+        step runs without drafts (plain decoding, lossless)."""
+        from vllm_tree_spec.integration.tree_sampler import unsupported_reason
+
+        t0 = time.perf_counter()
+        requests, budgets = [], []
+        for inp in inputs:
+            nodes = min(budget, inp.room) if inp.ready else 0
+            reason = unsupported_reason(inp.state.sampling_params)
+            if reason is not None:
+                nodes = 0
+                if inp.req_id not in skip_logged:
+                    skip_logged.add(inp.req_id)
+                    logger.info("tree speculation off for request %s: %s", inp.req_id, reason)
+            requests.append(self.make_request(inp.req_id, inp.token_ids, inp.state))
+            budgets.append(max(0, nodes))
+        ready = [i for i, inp in enumerate(inputs) if inp.ready]
+        try:
+            trees = dict(zip(ready, self.propose_trees([requests[i] for i in ready], [budgets[i] for i in ready])))
+        except Exception:
+            # A drafter bug must not kill every request in flight: this step decodes without drafts (plain
+            # decoding, lossless), loudly: the traceback is logged and the worker counts it.
+            logger.exception("tree drafter failed; this step runs without speculation")
+            stats.drafter_failures += 1
+            trees = {}
+        out: list[TreeProposal | None] = []
+        for i, nodes in enumerate(budgets):
+            dt = trees.get(i)
+            if dt is not None and dt.tree.num_nodes > nodes:
+                raise RuntimeError(f"drafter returned {dt.tree.num_nodes} nodes for a budget of {nodes}")
+            out.append(dt)
+        stats.add_time("draft", time.perf_counter() - t0)
+        return out
 
     def make_request(self, req_id: str, token_ids: Sequence[int], state) -> DraftRequest:
         sp = state.sampling_params

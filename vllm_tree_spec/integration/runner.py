@@ -1,19 +1,20 @@
-"""Tree speculation inside vLLM's V1 model runner: five hooks on one step, and a check.
+"""The V1 adapter: tree speculation inside vLLM's V1 model runner (`gpu_model_runner.py`), five hooks on
+one step and a check. Every hook reads vLLM's V1 batch and hands the runner-agnostic core what it needs:
 
-    propose_draft_token_ids   the drafter returns a tree per request; vLLM sees its
-                              tokens in topological order (the scheduler may keep a
-                              prefix, which is still a tree); we keep the parents
-    _prepare_inputs           after vLLM's linear slot mapping, rewrite draft rows'
-                              positions to root + depth and record the step's trees
-    _build_attention_metadata attach the step's trees to every layer's metadata so
-                              the attention override applies the tree mask
+    propose_draft_token_ids   the drafter returns a tree per request (`TreeProposer.draft`); vLLM sees its
+                              tokens in topological order (the scheduler may keep a prefix, which is still
+                              a tree); we keep the parents
+    _prepare_inputs           after vLLM's linear slot mapping, the step's trees (`tree_step.build_step`):
+                              draft rows' positions rewritten to root + depth, rows and slots recorded
+    _build_attention_metadata attach the step's trees to every layer's metadata (`tree_step.attach_step`)
+                              so the attention override applies the tree mask
     _model_forward            (the check) after the forward of a tree step, every attention
                               layer must have applied the tree mask (`TreeStep.check_applied`)
-    _sample                   tree verification instead of the chain rejection sampler,
-                              then commit: the accepted path's KV moves to rows 1..a,
-                              so the scheduler's rollback sees an ordinary chain; steps
-                              without trees are sampled by the plugin too (never vLLM's
-                              Sampler or RejectionSampler), with the same transforms and noise
+    _sample                   tree verification instead of the chain rejection sampler
+                              (`tree_sampler.verify_rows`), then commit (`commit.commit_verified`): the
+                              accepted path's KV moves to rows 1..a, so the scheduler's rollback sees an
+                              ordinary chain; steps without trees are sampled by the plugin too (never
+                              vLLM's Sampler or RejectionSampler), with the same transforms and noise
     _bookkeeping_sync         keeps vLLM's generator rewind off rows the plugin did not draw for
 
 After vLLM's `initialize_kv_cache` every layer checks that the tree path can read its
@@ -23,6 +24,7 @@ scheduler never hands out) and `on_metadata` (edit a tree step's metadata after 
 built it); drafters that read the target's hidden states get `observe_target(req_ids,
 rows, positions, aux_hidden_states)` with the rows each request committed this step
 (and, for EAGLE-3, the target's auxiliary hidden states: see eagle3_aux.py).
+The same core serves Model Runner V2 through `v2/runner.py`.
 
 One token's journey: drafted as node i (slot root + 1 + i, position root +
 depth_i) -> attends to the prefix and its ancestors -> accepted at depth k ->
@@ -40,17 +42,19 @@ from vllm.logger import init_logger
 
 from vllm_tree_spec.config import TreeSpecConfig
 from vllm_tree_spec.integration.adapters import select_adapter
+from vllm_tree_spec.integration.commit import commit_verified
+from vllm_tree_spec.integration.proposer import DraftInput
+from vllm_tree_spec.integration.runner_common import TreeRunnerChecks
 from vllm_tree_spec.integration.stats import TreeStats
-from vllm_tree_spec.integration.tree_sampler import (PLACEHOLDER_TOKEN_ID, sample_without_trees, tree_sample,
-                                                    unsupported_reason)
-from vllm_tree_spec.integration.tree_step import TreeRequestStep, TreeStep, TreeStepMeta
+from vllm_tree_spec.integration.tree_sampler import (PLACEHOLDER_TOKEN_ID, SampleBatch, emitted_logits,
+                                                    thinking_active, thinking_budget, verify_rows)
+from vllm_tree_spec.integration.tree_step import ScheduledTree, TreeStep, attach_step, build_step
 from vllm_tree_spec.integration.worker_memory import HeapTrimmer
-from vllm_tree_spec.tree import TreeBatch, long_tensor
 
 logger = init_logger(__name__)
 
 
-class TreeRunnerMixin:
+class TreeRunnerMixin(TreeRunnerChecks):
     """Mixed in front of a V1 model runner class: `CPUModelRunner` (worker.py) or `GPUModelRunner`
     (gpu_worker.py); the hooks below are device-agnostic."""
 
@@ -87,105 +91,36 @@ class TreeRunnerMixin:
         self.tree_stats = TreeStats(max_depth=self.tree_cfg.num_slots)
         self._tree_heap = HeapTrimmer()  # RSS stays flat over a long serve (worker_memory.py)
 
-    # -- checks after the model is built --------------------------------------------------------
-
-    def tree_check_attention(self) -> None:
-        """Refuse to run if any attention layer is not tree-aware (no silent causal fallback)."""
-        from vllm.model_executor.layers.attention import Attention
-        from vllm.model_executor.layers.mamba.abstract import MambaBase
-        from vllm.v1.attention.backend import AttentionType
-
-        ctx = self.compilation_config.static_forward_context
-        # the start-up gates refuse these from the model config; this catches models that do not declare them
-        mamba = [name for name, layer in ctx.items() if isinstance(layer, MambaBase)]
-        if mamba:
-            raise RuntimeError(f"tree speculation does not support hybrid / Mamba layers ({len(mamba)} layers, e.g. "
-                               f"{mamba[0]}); serve this model without --speculative-config")
-        cross = [name for name, layer in ctx.items()
-                 if isinstance(layer, Attention) and layer.attn_type != AttentionType.DECODER]
-        if cross:
-            raise RuntimeError(
-                f"tree speculation masks decoder self-attention only; {cross[0]} is {ctx[cross[0]].attn_type} "
-                f"attention: serve this model without --speculative-config")
-        bad = [name for name, layer in ctx.items()
-               if isinstance(layer, Attention) and not getattr(layer.impl, "tree_aware", False)]
-        if bad:
-            raise RuntimeError(
-                f"tree speculation needs tree-aware attention in every layer, but {len(bad)} layers "
-                f"(e.g. {bad[0]}) use {type(ctx[bad[0]].impl).__name__}; "
-                f"this model/attention backend is not supported by vllm-tree-spec (GPU: use "
-                f"--attention-backend FLASH_ATTN or TRITON_ATTN)")
-        for layer in ctx.values():
-            if isinstance(layer, Attention) and hasattr(layer.impl, "tree_check"):
-                layer.impl.tree_check()  # per-layer features the tree kernel cannot compute
-
-    def tree_check_caches(self) -> None:
-        """Refuse at start-up a KV cache layout the tree path cannot read: every layer whose attention
-        override has `tree_check_cache` (CPU: the ISA vLLM's metadata builder picked, against vLLM's op)."""
-        for layer in self.compilation_config.static_forward_context.values():
-            check = getattr(getattr(layer, "impl", None), "tree_check_cache", None)
-            kv = getattr(layer, "kv_cache", None)
-            if isinstance(kv, (list, tuple)):
-                kv = kv[0] if kv else None
-            if check is not None and isinstance(kv, torch.Tensor) and kv.numel():
-                check(layer, kv)
-
     # -- hook 1: drafting -----------------------------------------------------------------------
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
-        t0 = time.perf_counter()
         req_ids = list(self.input_batch.req_ids)
-        budget = self.tree_cfg.budget_for(len(req_ids))
-        requests, budgets = [], []
-        for i, rid in enumerate(req_ids):
-            state = self.requests[rid]
-            n_tok = int(self.input_batch.num_tokens_no_spec[i])
-            room = self.max_model_len - n_tok - 1
-            nodes = min(budget, room)
-            new = sampled_token_ids[i] if i < len(sampled_token_ids) else []
-            if not new:
-                nodes = 0  # partial prefill: no new token, nothing to draft from
-            reason = unsupported_reason(state.sampling_params)
-            if reason is not None:
-                nodes = 0
-                if rid not in self._tree_skip_logged:
-                    self._tree_skip_logged.add(rid)
-                    logger.info("tree speculation off for request %s: %s", rid, reason)
-            requests.append(self.drafter.make_request(rid, self.input_batch.token_ids_cpu[i, :n_tok], state))
-            budgets.append(max(0, nodes))
-        observe = self.drafter.observe_target if self.drafter.observes_target else None
-        if observe is not None:  # drafters fed by the target's hidden states (DeepSeek-V4 MTP, EAGLE-3)
+        if self.drafter.observes_target:  # drafters fed by the target's hidden states (DeepSeek-V4 MTP, EAGLE-3)
             qsl = self.query_start_loc.np
             rows = [self._tree_committed.get(rid) if rid in self._tree_committed
                     else list(range(int(qsl[i]), int(qsl[i + 1]))) for i, rid in enumerate(req_ids)]
             aux = args[3] if len(args) > 3 else kwargs.get("aux_hidden_states")  # vLLM's 6th argument
             hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")  # 4th: the target's output (EAGLE-1)
-            observe(req_ids, rows, self.positions, aux, hidden_states=hidden)
-        # Partial prefills are not proposed for: part of their context is not computed yet (an EAGLE-3
-        # head would look for target features the next chunk computes); vLLM drops their drafts anyway.
-        ready = [i for i in range(len(req_ids)) if i < len(sampled_token_ids) and len(sampled_token_ids[i])]
-        try:
-            trees = dict(zip(ready, self.drafter.propose_trees([requests[i] for i in ready],
-                                                               [budgets[i] for i in ready])))
-        except Exception:
-            # A drafter bug must not kill every request in flight: this step decodes without drafts (plain
-            # decoding, lossless), loudly: the traceback is logged and the worker counts it (`drafter_failures`).
-            logger.exception("tree drafter failed; this step runs without speculation")
-            self.tree_stats.drafter_failures += 1
-            trees = {}
+            self.drafter.observe_target(req_ids, rows, self.positions, aux, hidden_states=hidden)
+        inputs = []
+        for i, rid in enumerate(req_ids):
+            n_tok = int(self.input_batch.num_tokens_no_spec[i])
+            # Partial prefills are not proposed for: part of their context is not computed yet (an EAGLE-3
+            # head would look for target features the next chunk computes); vLLM drops their drafts anyway.
+            ready = i < len(sampled_token_ids) and bool(len(sampled_token_ids[i]))
+            inputs.append(DraftInput(rid, self.input_batch.token_ids_cpu[i, :n_tok], self.requests[rid],
+                                     self.max_model_len - n_tok - 1, ready))
+        proposals = self.drafter.draft(inputs, self.tree_cfg.budget_for(len(req_ids)),
+                                       skip_logged=self._tree_skip_logged, stats=self.tree_stats)
         drafts: list[list[int]] = []
         # Not reset per step: a running request the scheduler skips (token budget spent on a prefill chunk)
         # keeps its drafts and is verified with them later. Entries go when the request finishes.
-        for i, (rid, nodes) in enumerate(zip(req_ids, budgets)):
-            dt = trees.get(i)
+        for rid, dt in zip(req_ids, proposals):
             if dt is None:
                 drafts.append([])
                 continue
-            if dt.tree.num_nodes > nodes:
-                raise RuntimeError(f"drafter returned {dt.tree.num_nodes} nodes for a budget of {nodes}")
             self._tree_drafts[rid] = dt
             drafts.append(dt.tree.tokens.tolist() if dt.tree.num_nodes else [])
-        self.tree_stats.add_time("draft", time.perf_counter() - t0)
         return drafts
 
     def _input_fits_in_drafter(self, common_attn_metadata) -> bool:
@@ -212,12 +147,8 @@ class TreeRunnerMixin:
         return result
 
     def _tree_build_step(self, scheduler_output) -> TreeStep:
-        """The step's trees, once: per-request records for attention, flattened tensors (`TreeStepMeta`)
-        for positions, verification and the commit. Host work is one pass over the step's requests; the
-        device gets one upload and one gather of each KV group's slot mapping (no device-to-host copy,
-        except for adapters that read slots on the host)."""
-        from vllm_tree_spec.verify import Mode, upload
-
+        """The step's trees (`tree_step.build_step`) from vLLM's V1 batch: the scheduled drafts of each request
+        with a recorded tree (the scheduler may keep a topological prefix), its rows and linear positions."""
         found = []
         for rid, drafted in scheduler_output.scheduled_spec_decode_tokens.items():
             n = len(drafted)
@@ -229,52 +160,13 @@ class TreeRunnerMixin:
             dt = self._tree_drafts.get(rid)
             if dt is None:
                 raise RuntimeError(f"request {rid} has {n} scheduled drafts but no recorded tree")
-            found.append((self.input_batch.req_id_to_index[rid], rid, drafted, dt))
-        if not found:
-            return TreeStep([])
-        found.sort(key=lambda f: f[0])  # batch order (the sampler's row order)
-        # the scheduler may keep a topological prefix; the full tree keeps its cached structure
-        trees = [dt.tree if len(dr) == dt.tree.num_nodes else dt.tree.subtree(len(dr)) for _, _, dr, dt in found]
-        batch = TreeBatch.from_trees(trees)
-        host = batch.host  # the trees as flat lists, one pass
-        # Row bookkeeping in one pass over the requests, in lists: a step has a few dozen rows, where each numpy
-        # call would cost more than its arithmetic.
-        qsl, computed = self.query_start_loc.np, self.input_batch.num_computed_tokens_cpu
-        idx, root_row, root_pos, rows, node_rows, positions = [], [], [], [], [], []
-        for b, ((i, rid, dr, dt), n) in enumerate(zip(found, host.num_nodes)):
-            k = host.cu_num_nodes[b]
-            if list(dr) != host.tokens[k: k + n]:
-                raise RuntimeError(f"request {rid}: scheduled drafts {list(dr)} do not match its tree "
-                                   f"{dt.tree.tokens.tolist()} (first {len(dr)} nodes: {host.tokens[k: k + n]})")
-            r0 = int(qsl[i + 1]) - n - 1  # the root's flattened row: the request's last 1 + n rows are its tree
-            p0 = int(computed[i]) + r0 - int(qsl[i])  # vLLM's linear position of the root (host-side: no sync)
-            idx.append(i)
-            root_row.append(r0)
-            root_pos.append(p0)
-            rows.extend(range(r0, r0 + n + 1))
-            node_rows.extend(range(r0 + 1, r0 + n + 1))
-            positions.extend([p0 + d for d in host.depth[k: k + n]])
-        cu_rows = host.cu_num_rows
-        rows, node_rows, positions, cu_rows_t = (long_tensor(a) for a in (rows, node_rows, positions, cu_rows))
-        rows_d, node_rows_d, positions_d, cu_d = upload([rows, node_rows, positions, cu_rows_t], self.positions.device)
-        self._tree_set_positions(node_rows_d, positions_d, trees)
-        slots = {gid: self.input_batch.block_table[gid].slot_mapping.gpu[rows_d].to(torch.long)
-                 for gid in range(len(self.kv_cache_config.kv_cache_groups))}  # [R] per group, on the device
-        meta = TreeStepMeta(batch, long_tensor(idx), long_tensor(root_row), cu_d, rows_d, node_rows_d, positions_d,
-                            slots)
-        host_slots = {}
-        if not getattr(self.tree_adapter, "device_commit", False):  # adapters that commit from host lists
-            host_slots = {gid: sm.tolist() for gid, sm in slots.items()}  # one copy per group
-        reqs = []
-        for b, ((i, rid, _, dt), tree) in enumerate(zip(found, trees)):
-            q = dt.draft_probs[: tree.num_nodes + 1] if dt.draft_probs is not None else None
-            mode = Mode(dt.mode)
-            if mode != Mode.GREEDY:  # the user's `verification` rule (lossless for this drafting: config.py)
-                mode = Mode.parse(self.tree_cfg.verification_for(mode.name.lower()))
-            r0, r1 = cu_rows[b], cu_rows[b + 1]
-            reqs.append(TreeRequestStep(rid, i, root_row[b], root_pos[b], tree, mode, q,
-                                        {gid: sm[r0:r1] for gid, sm in host_slots.items()}))
-        return TreeStep(reqs, meta=meta)
+            found.append(ScheduledTree(self.input_batch.req_id_to_index[rid], rid, n, dt, drafted))
+        block_table = self.input_batch.block_table
+        return build_step(found, self.query_start_loc.np, self.input_batch.num_computed_tokens_cpu, self.positions,
+                          lambda gid: block_table[gid].slot_mapping.gpu, len(self.kv_cache_config.kv_cache_groups),
+                          verification_for=self.tree_cfg.verification_for,
+                          host_slots=not getattr(self.tree_adapter, "device_commit", False),
+                          set_positions=self._tree_set_positions)
 
     def _tree_set_positions(self, node_rows: torch.Tensor, positions: torch.Tensor, trees) -> None:
         """Draft rows get root + depth (the slot mapping, already computed, stays linear): [T] each."""
@@ -285,10 +177,7 @@ class TreeRunnerMixin:
     def _build_attention_metadata(self, *args, **kwargs):
         attn_metadata, common = super()._build_attention_metadata(*args, **kwargs)
         step = self._tree_step if not kwargs.get("for_cudagraph_capture") else TreeStep([])
-        dicts = attn_metadata if isinstance(attn_metadata, list) else [attn_metadata]
-        for d in dicts:
-            for md in {id(m): m for m in d.values()}.values():
-                md.tree_step = step
+        attach_step(step, attn_metadata)
         on_metadata = getattr(self.tree_adapter, "on_metadata", None)  # adapters for non-standard caches
         if step and on_metadata is not None:
             on_metadata(self, step, attn_metadata)
@@ -310,22 +199,15 @@ class TreeRunnerMixin:
         self._tree_heap.maybe_trim()  # between steps' large temporaries: the last step's are freed
         self.input_batch.update_async_output_token_ids()
         if not step:  # every row through the plugin's sampler, with or without spec-decode metadata
-            return sample_without_trees(self, logits, spec_decode_metadata)
+            return tree_sample(self, logits, spec_decode_metadata, TreeStep([]))[0]
         t0 = time.perf_counter()
         output, (tree_idx, result, host) = tree_sample(self, logits, spec_decode_metadata, step)
         t1 = time.perf_counter()
         if result is not None:
-            by_index = step.by_index()
-            reqs = [by_index[b] for b in tree_idx]
-            acc, num = host.accepted_nodes.tolist(), host.num_accepted.tolist()  # host copies: no sync
-            paths = [a[:k] for a, k in zip(acc, num)]
+            reqs, paths = commit_verified(self, self.tree_adapter, step, tree_idx, result, host)
             if self.drafter.observes_target:  # rows its next call reads
                 self._tree_committed = {r.req_id: [r.root_row] + [r.root_row + 1 + n for n in p]
                                         for r, p in zip(reqs, paths)}
-            if getattr(self.tree_adapter, "device_commit", False):  # on the device, from the verifier's tensors
-                self.tree_adapter.commit(self, step, result)
-            else:
-                self.tree_adapter.commit(self, reqs, paths)
             self.tree_stats.observe(reqs, paths)
         self.tree_stats.add_time("verify", t1 - t0)
         self.tree_stats.add_time("commit", time.perf_counter() - t1)
@@ -345,3 +227,34 @@ class TreeRunnerMixin:
             return super()._bookkeeping_sync(scheduler_output, sampler_output, *args, **kwargs)
         finally:
             gens.update(hidden)
+
+
+def tree_sample(runner, logits: torch.Tensor, spec_meta, step):
+    """Sample every row of a V1 step (`tree_sampler.verify_rows`) and return it in vLLM's V1 contract:
+    (SamplerOutput: `sampled_token_ids [B, max_n + 1]`, accepted tokens left-aligned then the recovered /
+    bonus token, -1 padded, as a host tensor in a step with trees (the step's one transfer, which vLLM's
+    bookkeeping then reads without a second copy), logprobs of every emitted token from the row it was
+    emitted at, in vLLM's `logprobs_mode`), plus (tree_idx, result, host) for the commit and counters.
+    spec_meta None (no request of the step has drafts): logits has one row per request."""
+    from vllm.v1.outputs import SamplerOutput
+
+    batch = runner.input_batch
+    sm = batch.sampling_metadata
+    num_reqs = batch.num_reqs
+    num_draft = list(spec_meta.num_draft_tokens) if spec_meta is not None else [0] * num_reqs
+    root_transform = None
+    if thinking_active(sm):
+        def root_transform(roots, spec=spec_meta is not None):
+            return thinking_budget(roots, sm, spec)
+    states = [runner.requests[rid] for rid in batch.req_ids[:num_reqs]]
+    s = verify_rows(SampleBatch(states, num_draft, runner.discard_request_mask.np[:num_reqs], root_transform),
+                    logits, step)
+    logprobs_tensors = None
+    if sm.max_num_logprobs is not None:
+        mode = getattr(runner.sampler, "logprobs_mode", "raw_logprobs")
+        x = emitted_logits(states, logits, s.emit_rows, s.out, mode.startswith("processed"), s.out_host)
+        lp = x if mode.endswith("logits") else runner.sampler.compute_logprobs(x)
+        logprobs_tensors = runner.sampler.gather_logprobs(lp, sm.max_num_logprobs, s.out.flatten().clamp(min=0))
+    sampled = s.out if s.out_host is None else s.out_host
+    output = SamplerOutput(sampled_token_ids=sampled.to(torch.int32), logprobs_tensors=logprobs_tensors)
+    return output, (s.tree_idx, s.result, s.host)

