@@ -169,7 +169,7 @@ def providers(case) -> dict:
 
     def plan_build():
         step = _step(case)
-        cpu_attention._plan(step, md, BLOCK, 0, HEADS, KV_HEADS, HEAD_DIM, case.dtype, "vec", "auto")
+        cpu_attention._plan(step, md, BLOCK, 0, HEADS, KV_HEADS, HEAD_DIM, case.dtype, "vec", "auto", kv.shape[0])
 
     return {"stock_causal": stock, "tree_kernel": tree, "tree_op": tree_op, "tree_split": split,
             "tree_decode": decode, "previous": previous,

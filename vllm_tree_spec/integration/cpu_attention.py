@@ -112,8 +112,17 @@ def _kernel_requests(step: TreeStep, block_table: torch.Tensor, block_size: int,
         anc=anc, depth=depth, block_size=block_size, num_kv_heads=num_kv_heads, queries_per_kv=queries_per_kv)
 
 
+def _kernel_blocks(scratch: range, num_kernel_blocks: int) -> range:
+    """The scratch blocks (block-manager ids: the last ones of the cache) as the kernel's block ids (vLLM may
+    split a manager block into `ratio` kernel blocks)."""
+    if not scratch:
+        return scratch
+    ratio = num_kernel_blocks // scratch.stop
+    return range(scratch.start * ratio, scratch.stop * ratio)
+
+
 def _plan(step: TreeStep, attn_metadata, block_size: int, window: int, num_heads: int, num_kv_heads: int,
-          head_size: int, dtype: torch.dtype, isa: str, kv_cache_dtype: str) -> _Plan:
+          head_size: int, dtype: torch.dtype, isa: str, kv_cache_dtype: str, num_kernel_blocks: int) -> _Plan:
     cache = step.__dict__.setdefault("_cpu_attn_plans", {})
     bt = attn_metadata.block_table
     key = (bt.data_ptr(), block_size, window, num_heads)
@@ -136,7 +145,7 @@ def _plan(step: TreeStep, attn_metadata, block_size: int, window: int, num_heads
     if mode == "decode":
         paths = decode.plan_paths(merged, bt, block_size, isa=isa, num_kv_heads=num_kv_heads, head_dim=head_size,
                                   itemsize=torch.empty((), dtype=dtype).element_size(),
-                                  scratch=getattr(step, "scratch_blocks", range(0))) if merged else None
+                                  scratch=_kernel_blocks(step.scratch_blocks, num_kernel_blocks)) if merged else None
         plan = _Plan(ks, sched, merged, None, None, paths=paths, wave_metadata=[
             scheduler_metadata(w.seq_lens, w.query_start_loc, None, True) for w in paths.waves] if paths else None)
     elif mode == "kernel":
@@ -164,6 +173,11 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
             raise TreeSpecError(f"tree attention on CPU reads unquantised KV caches only; drop --kv-cache-dtype "
                                 f"{self.kv_cache_dtype}")
         prepare_tree_attention()
+
+    @property
+    def tree_needs_scratch(self) -> bool:
+        """The decode path reads chains through scratch blocks reserved at KV-cache allocation (kv_scratch.py)."""
+        return tree_attention_mode() == "decode"
 
     def tree_check_cache(self, layer, kv_cache: torch.Tensor) -> None:
         """Refuse, once the KV cache exists (vLLM's metadata builder has set `layer.isa`), a cache layout
@@ -200,7 +214,7 @@ class TreeCPUAttentionImpl(CPUAttentionBackendImpl):
         into prefix-only rows, then the node merge."""
         window = self._tree_window()
         plan = _plan(step, attn_metadata, kv_cache.shape[2], window, self.num_heads, self.num_kv_heads,
-                     self.head_size, query.dtype, layer.isa, self.kv_cache_dtype)
+                     self.head_size, query.dtype, layer.isa, self.kv_cache_dtype, kv_cache.shape[0])
         if self.sinks is not None and self.sinks.dtype not in (torch.bfloat16, torch.float32):
             self.sinks = self.sinks.to(torch.float32)  # as the stock forward does
         ks = plan.kernel

@@ -89,6 +89,17 @@ class PathPlan:
         output.index_copy_(0, self.rows, out)
 
 
+def chain_blocks(max_depth: int, block_size: int) -> int:
+    """Most scratch blocks one chain can need: the blocks its out-of-place positions span."""
+    return (max_depth + block_size - 2) // block_size + 1
+
+
+def scratch_blocks_for(max_num_seqs: int, max_nodes: int, block_size: int) -> int:
+    """Scratch blocks that let a full batch of the largest trees run in one call: a request has at most
+    max_nodes - 1 chains besides its first (a star)."""
+    return max_num_seqs * max(0, max_nodes - 1) * chain_blocks(max_nodes, block_size)
+
+
 def plan_paths(step: TreeStep, block_table: torch.Tensor, block_size: int, *, isa: str, num_kv_heads: int,
                head_dim: int, itemsize: int, scratch: range = range(0)) -> PathPlan:
     """The chain sequences of the step's branching trees (all requests of `step`), in waves.

@@ -96,6 +96,7 @@ class TreeStep:
     requests: list[TreeRequestStep]
     applied: set = field(default_factory=set)  # names of the layers that applied the tree mask this step
     meta: TreeStepMeta | None = None  # the flattened form (the runner builds it; None in bare tests)
+    scratch_blocks: range = range(0)  # KV-cache block ids the scheduler never hands out (CPU decode path)
 
     def __bool__(self) -> bool:
         return bool(self.requests)

