@@ -110,7 +110,7 @@ def test_eagle3_sampling_law_is_exact(law_setup, mode, monkeypatch):
     s = run.tree_stats
     print(f"eagle3 {mode}: {s['rounds']} rounds, {s['accepted']} accepted, per depth {s['accepted_per_depth']}")
     assert s["rounds"] > es.N_SET and s["accepted"] > es.N_SET // 10, f"too few drafts accepted: {s}"
-    failures = [f for name in es.COMBINED for f in es.check(model, prompt, name, counts[name])]
+    failures = es.check_sets((path, model, prompt), "float32", {}, es.COMBINED, counts)
     assert not failures, "\n".join(failures)
 
 
