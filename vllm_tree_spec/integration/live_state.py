@@ -9,6 +9,8 @@ A leak check needs the list of places, and for each the request ids it holds. Af
     vllm.batch                   requests in the persistent batch        vLLM's input batch
     vllm.generators              seeded requests in the batch            input_batch.generators (the
                                                                          verify coins' streams)
+    (Model Runner V2: vllm.requests are V2's request states; speculator.requests / .generators the
+    requests' host state the V2 adapter keeps, v2/speculator.py)
     runner.drafts                the last proposal's trees               TreeRunnerMixin._tree_drafts
     runner.committed             rows committed by the last tree step    TreeRunnerMixin._tree_committed
     runner.skip_logged           requests served without drafts          TreeRunnerMixin._tree_skip_logged
@@ -49,17 +51,27 @@ def _per_request_containers(obj, prefix: str) -> dict[str, list[str]]:
 
 def live_state(runner) -> dict[str, list[str]]:
     """{place: sorted request ids held there} for one tree model runner (see the module docstring)."""
-    batch = runner.input_batch
-    batch_ids = [rid for rid in batch.req_ids if rid is not None]
-    state = {
-        REFERENCE: _ids(runner.requests),
-        "vllm.batch": sorted(batch_ids),
-        "vllm.generators": sorted(batch_ids[i] for i in batch.generators if i < len(batch_ids)),
+    if hasattr(runner, "req_states"):  # Model Runner V2: request states by slot, no persistent batch
+        spec = runner.speculator
+        state = {
+            REFERENCE: _ids(runner.req_states.req_id_to_index),
+            "speculator.requests": _ids(spec.requests),  # the requests' host state (v2/speculator.py)
+            "speculator.generators": sorted(r for r, st in spec.requests.items() if st.generator is not None),
+        }
+    else:
+        batch = runner.input_batch
+        batch_ids = [rid for rid in batch.req_ids if rid is not None]
+        state = {
+            REFERENCE: _ids(runner.requests),
+            "vllm.batch": sorted(batch_ids),
+            "vllm.generators": sorted(batch_ids[i] for i in batch.generators if i < len(batch_ids)),
+        }
+    state.update({
         "runner.drafts": _ids(runner._tree_drafts),
         "runner.committed": _ids(runner._tree_committed),
         "runner.skip_logged": _ids(runner._tree_skip_logged),
         "runner.step": sorted(r.req_id for r in runner._tree_step.requests),
-    }
+    })
     drafter = getattr(runner.drafter, "drafter", runner.drafter)  # TreeProposer wraps the tree drafter
     state["drafter.active"] = _ids(drafter.active_requests)
     for place, ids in _per_request_containers(drafter, "drafter").items():

@@ -176,11 +176,14 @@ class TreeProposer:
 
     # -- the tree runner's interface ------------------------------------------------------------
 
-    def draft(self, inputs: list[DraftInput], budget: int, *, skip_logged: set, stats) -> list[TreeProposal | None]:
+    def draft(self, inputs: list[DraftInput], budget: int, *, skip_logged: set, stats,
+              observe=None) -> list[TreeProposal | None]:
         """One drafting step: a tree per ready request (None for the others), each within min(budget, room)
         nodes; 0 nodes for requests whose sampling parameters read drafts as a chain (logged once per
         request: `skip_logged`). A drafter exception is logged and counted (`stats.drafter_failures`) and the
-        step runs without drafts (plain decoding, lossless)."""
+        step runs without drafts (plain decoding, lossless). observe: called once every request is started
+        in the drafter and before it drafts (drafters fed by the target's hidden states take this step's
+        rows there: a new request's first rows must find it started)."""
         from vllm_tree_spec.integration.tree_sampler import unsupported_reason
 
         t0 = time.perf_counter()
@@ -195,6 +198,8 @@ class TreeProposer:
                     logger.info("tree speculation off for request %s: %s", inp.req_id, reason)
             requests.append(self.make_request(inp.req_id, inp.token_ids, inp.state))
             budgets.append(max(0, nodes))
+        if observe is not None:
+            observe()
         ready = [i for i, inp in enumerate(inputs) if inp.ready]
         try:
             trees = dict(zip(ready, self.propose_trees([requests[i] for i in ready], [budgets[i] for i in ready])))

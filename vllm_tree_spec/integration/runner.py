@@ -95,13 +95,15 @@ class TreeRunnerMixin(TreeRunnerChecks):
 
     def propose_draft_token_ids(self, scheduler_output, sampled_token_ids, *args, **kwargs):
         req_ids = list(self.input_batch.req_ids)
+        observe = None
         if self.drafter.observes_target:  # drafters fed by the target's hidden states (DeepSeek-V4 MTP, EAGLE-3)
-            qsl = self.query_start_loc.np
-            rows = [self._tree_committed.get(rid) if rid in self._tree_committed
-                    else list(range(int(qsl[i]), int(qsl[i + 1]))) for i, rid in enumerate(req_ids)]
-            aux = args[3] if len(args) > 3 else kwargs.get("aux_hidden_states")  # vLLM's 6th argument
-            hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")  # 4th: the target's output (EAGLE-1)
-            self.drafter.observe_target(req_ids, rows, self.positions, aux, hidden_states=hidden)
+            def observe():
+                qsl = self.query_start_loc.np
+                rows = [self._tree_committed.get(rid) if rid in self._tree_committed
+                        else list(range(int(qsl[i]), int(qsl[i + 1]))) for i, rid in enumerate(req_ids)]
+                aux = args[3] if len(args) > 3 else kwargs.get("aux_hidden_states")  # vLLM's 6th argument
+                hidden = args[1] if len(args) > 1 else kwargs.get("hidden_states")  # 4th: the target's output
+                self.drafter.observe_target(req_ids, rows, self.positions, aux, hidden_states=hidden)
         inputs = []
         for i, rid in enumerate(req_ids):
             n_tok = int(self.input_batch.num_tokens_no_spec[i])
@@ -111,7 +113,7 @@ class TreeRunnerMixin(TreeRunnerChecks):
             inputs.append(DraftInput(rid, self.input_batch.token_ids_cpu[i, :n_tok], self.requests[rid],
                                      self.max_model_len - n_tok - 1, ready))
         proposals = self.drafter.draft(inputs, self.tree_cfg.budget_for(len(req_ids)),
-                                       skip_logged=self._tree_skip_logged, stats=self.tree_stats)
+                                       skip_logged=self._tree_skip_logged, stats=self.tree_stats, observe=observe)
         drafts: list[list[int]] = []
         # Not reset per step: a running request the scheduler skips (token budget spent on a prefill chunk)
         # keeps its drafts and is verified with them later. Entries go when the request finishes.

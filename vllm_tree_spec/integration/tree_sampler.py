@@ -333,7 +333,8 @@ def verify_rows(batch: SampleBatch, logits: torch.Tensor, step) -> StepSample:
     max_cols = max(num_draft, default=0) + 1
 
     tree_by_index = step.by_index()
-    tree_idx = [b for b in range(num_reqs) if b in tree_by_index and num_draft[b] > 0 and tree_by_index[b].num_nodes > 0]
+    tree_idx = [b for b in range(num_reqs)
+                if b in tree_by_index and num_draft[b] > 0 and tree_by_index[b].num_nodes > 0]
     tree_set = set(tree_idx)
     # Partial prefills: vLLM discards their token, so they draw no noise (their streams stay put).
     discard = batch.discard

