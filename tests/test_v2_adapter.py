@@ -285,3 +285,22 @@ def test_the_speculator_hands_v2_k_rows_per_request():
     assert drafts.tolist() == [[8, 9, PAD_DRAFT_TOKEN_ID, PAD_DRAFT_TOKEN_ID], [PAD_DRAFT_TOKEN_ID] * 4]
     assert spec.trees["b"] is None and spec.trees["a"].tree.num_nodes == 2
     assert spec.propose(batch, *[None] * 11, dummy_run=True).tolist() == [[PAD_DRAFT_TOKEN_ID] * 4] * 2
+
+
+def test_v2_tree_engines_refuse_what_only_v2s_sampler_applies(monkeypatch):
+    """Structured outputs, thinking budgets and logprob_token_ids are served without drafts on V1; a V2 tree
+    engine samples every row with the plugin's sampler, so it refuses them by name (and only on V2)."""
+    from vllm.exceptions import VLLMValidationError
+
+    from vllm_tree_spec.integration import request_validation as rv
+
+    assert rv.is_tree_engine(SimpleNamespace(custom_method="tree", method=None))  # vLLM 0.34's registered method
+    assert not rv.is_tree_engine(SimpleNamespace(custom_method="other", method=None, model=None))
+    plain = SimpleNamespace(structured_outputs=None, thinking_token_budget=None, logprob_token_ids=None)
+    monkeypatch.setattr(vllm_guard, "runner_in_use", lambda: "V2")
+    rv.v2_unsupported(plain)
+    for field in ("structured_outputs", "thinking_token_budget", "logprob_token_ids"):
+        with pytest.raises(VLLMValidationError, match=field.split("_")[0]):
+            rv.v2_unsupported(SimpleNamespace(**{**vars(plain), field: [1]}))
+    monkeypatch.setattr(vllm_guard, "runner_in_use", lambda: "V1")
+    rv.v2_unsupported(SimpleNamespace(**{**vars(plain), "thinking_token_budget": 8}))  # V1: served without drafts
