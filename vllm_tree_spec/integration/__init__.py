@@ -87,7 +87,8 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
         hooks would shrink the lists; a version bump is one command (regenerate the table from the wheel).
 
     P8  (request_validation.py) SamplingParams._validate_spec_decode, for tree engines only: min_p and
-        logit_bias are accepted (the tree sampler applies them on every row).
+        logit_bias are accepted (the tree sampler applies them on every row); on Model Runner V2, structured
+        outputs, thinking budgets and logprob_token_ids are refused by name (only V2's own sampler applies them).
         Why: vLLM refuses both for every speculative method (its chain sampler lacks them).
         Removal: per-method validation upstream (a proposer that declares which parameters it supports).
 
