@@ -136,6 +136,8 @@ def tree_entry_slots_triton(
     dense_width: int | None = None,
     tail_width: int | None = None,
     out_dtype: torch.dtype = torch.int32,
+    dense_out: torch.Tensor | None = None,  # preallocated [R, dense_width] (rows contiguous; e.g. vLLM's buffer)
+    lens_out: torch.Tensor | None = None,  # preallocated [R] int32
 ) -> TreeEntrySlots:
     """Entry lists of one compress ratio (`dsv4_tree_meta_reference`, "entries"); one launch, no host sync.
 
@@ -143,7 +145,8 @@ def tree_entry_slots_triton(
     min((P + 1) // m, nv) with root_committed): `dense[r, w]` / `tail[r, w - c]` =
     committed slot for w < c, `row_entry_slots` of the ancestor-or-self at
     position (w + 1) m - 1 for c <= w < nv, -1 after; `write[r]` = the row's
-    entry slot iff (t + 1) % m == 0, else -1.
+    entry slot iff (t + 1) % m == 0, else -1. `dense_out` / `lens_out` write the dense
+    list and the lengths straight into caller buffers (any row stride).
     """
     from .dsv4_tree_meta import tree_entry_slots_kernel
 
@@ -163,9 +166,15 @@ def tree_entry_slots_triton(
     def new(*shape, dtype=out_dtype):
         return torch.empty(*shape, dtype=dtype, device=device)
 
-    res = TreeEntrySlots(
-        new(r, dense_width) if dense_width is not None else None, new(r, tail_width), new(r, dtype=torch.int32),
-        new(r, dtype=torch.int32), new(r))  # fmt: skip
+    if dense_out is not None and (dense_width is None or dense_out.shape != (r, dense_width)
+                                  or dense_out.stride(1) != 1 or dense_out.device != device):
+        raise ValueError(f"dense_out must be a [R, dense_width] = [{r}, {dense_width}] tensor with contiguous rows "
+                         f"on {device}")
+    if lens_out is not None and (lens_out.shape != (r,) or lens_out.dtype != torch.int32):
+        raise ValueError(f"lens_out must be a [R] = [{r}] int32 tensor")
+    dense = dense_out if dense_out is not None else new(r, dense_width) if dense_width is not None else None
+    res = TreeEntrySlots(dense, new(r, tail_width), lens_out if lens_out is not None else new(r, dtype=torch.int32),
+                         new(r, dtype=torch.int32), new(r))  # fmt: skip
     if r == 0:
         return res
     import triton

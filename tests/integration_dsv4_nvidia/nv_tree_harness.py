@@ -1,0 +1,363 @@
+"""Tree runs of the emulated NVIDIA DeepSeek-V4 engine, and what they are compared with.
+
+* `tree_engine` / `run_tree`: the emulated engine (nvidia_harness) with `{"method": "tree", ...}`, optionally a
+  test drafter (dsv4_harness.OracleTreeDrafter, injected through `proposer.make_drafter`) and callbacks on
+  the live engine.
+* `snapshot_nv(runner, req_index, length)`: every position-addressed store of one request, read through
+  vLLM's block tables with the reference pack's byte layout (pooled, padded pages): SWA rows of the window,
+  compressor state rows of the last pooling window, C4 / C128 entries, indexer keys; fp8 rows as 584 / 132 raw
+  bytes (the format dsv4_harness.code_steps compares dequantized), state rows as float32.
+* `record_base_snapshots` (engine without speculation: each request's stores after every step) and
+  `record_tree_steps` (tree engine: every tree step's rows as log-probs, the accepted paths, and each
+  request's stores after every refresh).
+* `sequential_logprobs`: vLLM without speculation on context + path of every recorded node (the per-node
+  reference).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+import nvidia_harness as H
+
+
+@dataclass
+class TreeRun:
+    outputs: list[list[int]]
+    logprobs: list[list[float]]
+    adapter_stats: dict
+    tree_stats: dict
+    adapter: str
+
+
+def worker_runner(llm):
+    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
+
+
+@contextlib.contextmanager
+def drafter(factory):
+    """Replace the tree drafter (in-process engines only)."""
+    from vllm_tree_spec.integration import proposer as proposer_mod
+
+    orig = proposer_mod.make_drafter
+    if factory is not None:
+        proposer_mod.make_drafter = lambda cfg, vllm_config=None: factory(cfg)
+    try:
+        yield
+    finally:
+        proposer_mod.make_drafter = orig
+
+
+def run_tree(model: str, prompts, params, spec: dict, *, drafter_factory=None, on_llm=None, **engine_kwargs):
+    with drafter(drafter_factory), H.nvidia_engine(model, speculative_config=spec, **engine_kwargs) as llm:
+        try:
+            if on_llm is not None:
+                on_llm(llm)
+            run = H.generate(llm, prompts, params)
+            r = worker_runner(llm)
+            return TreeRun(run.outputs, run.logprobs, dict(r.tree_adapter.stats), r.tree_stats.as_dict(),
+                           type(r.tree_adapter).__name__)
+        finally:
+            restore = getattr(llm, "_tree_spec_restore", None)
+            if restore is not None:
+                restore()
+
+
+# ---------------------------------------------------------------------------
+# Snapshots (reference pack layout: vllm_tree_spec/reference/dsv4_gpu_ops/layout.py)
+
+
+def _slots(bt_row: torch.Tensor, block_size: int, idx: torch.Tensor) -> torch.Tensor:
+    return bt_row[idx // block_size].to(torch.long) * block_size + idx % block_size
+
+
+def _fp8_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    from vllm_tree_spec.reference.dsv4_gpu_ops import layout
+
+    data, scale = layout.read_rows(cache, slots, cache.shape[1])
+    return torch.cat([data, scale], dim=1)
+
+
+def _key_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    from vllm_tree_spec.reference.dsv4_gpu_ops import layout
+
+    vals, scale = layout.read_index_keys(cache, slots, cache.shape[1])
+    return torch.cat([vals.to(torch.float8_e4m3fn).view(torch.uint8), scale.contiguous().view(torch.uint8)
+                      .view(-1, 4)], dim=1)
+
+
+def snapshot_nv(runner, req_index: int, length: int) -> dict[str, torch.Tensor]:
+    from vllm.models.deepseek_v4.attention import DeepseekV4Attention, DeepseekV4IndexerCache
+    from vllm.models.deepseek_v4.compressor import CompressorStateCache
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
+
+    ctx = runner.compilation_config.static_forward_context
+    snap = {}
+    for gid, group in enumerate(runner.kv_cache_config.kv_cache_groups):
+        bt = runner.input_batch.block_table[gid].block_table.gpu[req_index]
+        bs = group.kv_cache_spec.block_size
+        for name in group.layer_names:
+            layer = ctx[name]
+            kv = layer.kv_cache
+            if not isinstance(kv, torch.Tensor) or kv.numel() == 0:
+                continue
+            if isinstance(layer, DeepseekV4SWACache):
+                pos = torch.arange(max(0, length - layer.window_size), length)
+                snap[name] = _fp8_rows(kv, _slots(bt, bs, pos))
+            elif isinstance(layer, CompressorStateCache):
+                pos = torch.arange(max(0, length - layer.sliding_window), length)
+                s = _slots(bt, bs, pos)
+                snap[name] = kv[s // bs, s % bs].clone()
+            elif isinstance(layer, DeepseekV4Attention):
+                w = torch.arange(length // layer.compress_ratio)
+                snap[name] = _fp8_rows(kv, _slots(bt, bs // layer.compress_ratio, w))
+            elif isinstance(layer, DeepseekV4IndexerCache):
+                w = torch.arange(length // 4)
+                snap[name] = _key_rows(kv, _slots(bt, bs // 4, w))
+    return snap
+
+
+def record_base_snapshots(store: dict):
+    """on_llm: after every step of an engine without speculation, each request's stores, keyed (request
+    index, L) with L the tokens whose rows are in the cache."""
+
+    def on_llm(llm):
+        runner = worker_runner(llm)
+        orig = runner._sample
+
+        def _sample(logits, spec_decode_metadata):
+            out = orig(logits, spec_decode_metadata)
+            for i, rid in enumerate(runner.input_batch.req_ids):
+                length = int(runner.input_batch.num_tokens_no_spec[i])
+                store[(int(rid.split("-")[0]), length)] = snapshot_nv(runner, i, length)
+            return out
+
+        runner._sample = _sample
+
+    return on_llm
+
+
+@dataclass
+class TreeRecord:
+    req: int  # request order index
+    root_pos: int
+    context: list[int]  # tokens 0 .. root (inclusive)
+    parents: list[int]
+    tokens: list[int]
+    logprobs: torch.Tensor  # [1 + n, V] log-softmax of the tree step's rows (row 0 = root)
+    accepted: list[int] = field(default_factory=list)
+
+
+def record_tree_steps(records: list, snaps: dict | None = None, after_commit=None):
+    """on_llm: every tree step's rows (log-probs) and accepted path; with snaps, each request's stores after
+    every refresh (key (request index, root_pos + 1 + accepted)); after_commit(runner, step, result) runs
+    after each refresh (planted controls)."""
+
+    def on_llm(llm):
+        from dsv4_harness import row_starts
+
+        from vllm_tree_spec.integration import runner as runner_mod
+
+        runner = worker_runner(llm)
+        adapter = runner.tree_adapter
+        real_tree_sample = runner_mod.tree_sample
+        pending: dict[str, TreeRecord] = {}
+
+        def tree_sample(rnr, logits, spec_meta, step):
+            starts = row_starts(spec_meta)
+            for r in step.requests:
+                rows = logits[starts[r.req_index]: starts[r.req_index] + r.num_nodes + 1].float()
+                ctx = rnr.input_batch.token_ids_cpu[r.req_index, : r.root_pos + 1].tolist()
+                rec = TreeRecord(int(r.req_id.split("-")[0]), r.root_pos, ctx, r.tree.parents.tolist(),
+                                 r.tree.tokens.tolist(), rows.log_softmax(-1))
+                records.append(rec)
+                pending[r.req_id] = rec
+            return real_tree_sample(rnr, logits, spec_meta, step)
+
+        orig_commit = adapter.commit
+
+        def commit(rnr, step, result):
+            n = orig_commit(rnr, step, result)
+            acc, num = result.accepted_nodes.tolist(), result.num_accepted.tolist()
+            if after_commit is not None:
+                after_commit(rnr, step, result)
+            for req, a, k in zip(step.requests, acc, num):
+                path = a[:k]
+                if req.req_id in pending:
+                    pending.pop(req.req_id).accepted = list(path)
+                if snaps is not None:
+                    length = req.root_pos + 1 + len(path)
+                    snaps[(int(req.req_id.split("-")[0]), length)] = snapshot_nv(rnr, req.req_index, length)
+            return n
+
+        runner_mod.tree_sample = tree_sample
+        adapter.commit = commit
+        llm._tree_spec_restore = lambda: setattr(runner_mod, "tree_sample", real_tree_sample)
+
+    return on_llm
+
+
+def leaf_paths(rec: TreeRecord) -> list[list[int]]:
+    n = len(rec.tokens)
+    children = {i: [] for i in range(-1, n)}
+    for i, p in enumerate(rec.parents):
+        children[p].append(i)
+    out = []
+    for leaf in [i for i in range(n) if not children[i]] or ([] if n else [-1]):
+        path, j = [], leaf
+        while j >= 0:
+            path.append(j)
+            j = rec.parents[j]
+        out.append(path[::-1])
+    return out
+
+
+def forced_decode(model: str, jobs: list[tuple[list[int], list[int]]], **engine_kwargs) -> list[torch.Tensor]:
+    """vLLM without speculation decoding given tokens one by one (the decode path, as a tree's rows are).
+
+    Job (context, path): the prompt is context[:-1]; the engine is made to sample context[-1], then each token
+    of the path; returns per job the log-softmax of the rows after context + path[:d], d = 0 .. len(path)
+    ([len(path) + 1, V]), each computed by a one-token decode step over the caches the stock engine wrote.
+    """
+    from vllm import SamplingParams
+
+    forced: dict[str, list[int]] = {}
+    rows: dict[str, list[torch.Tensor]] = {}
+
+    def on_llm(llm):
+        runner = worker_runner(llm)
+        orig = runner._sample
+
+        def _sample(logits, spec_decode_metadata):
+            todo = []
+            for i, full_id in enumerate(runner.input_batch.req_ids):
+                rid = full_id.split("-")[0]  # vLLM appends a suffix to the id given to add_request
+                f = forced.get(rid)
+                if f is None:
+                    continue
+                k = len(rows[rid])  # tokens forced so far
+                # every step after the prefill decodes the previously forced token (read before the sampler,
+                # which may edit the logits in place)
+                rows[rid].append(logits[i].float().log_softmax(-1).cpu() if k else None)
+                if k < len(f):
+                    todo.append((i, f[k]))
+            out = orig(logits, spec_decode_metadata)
+            for i, t in todo:
+                out.sampled_token_ids[i, 0] = t
+            return out
+
+        runner._sample = _sample
+
+    kwargs = dict(max_num_seqs=8)
+    kwargs.update(engine_kwargs)
+    with H.nvidia_engine(model, **kwargs) as llm:
+        on_llm(llm)
+        ids = []
+        for n, (ctx, path) in enumerate(jobs):
+            rid = str(n)
+            forced[rid] = [ctx[-1]] + list(path)
+            rows[rid] = []
+            ids.append(rid)
+            llm.llm_engine.add_request(rid, {"prompt_token_ids": ctx[:-1]},
+                                       SamplingParams(temperature=0, max_tokens=len(path) + 2, ignore_eos=True))
+        while llm.llm_engine.has_unfinished_requests():
+            llm.llm_engine.step()
+    return [torch.stack(rows[rid][1:]) for rid in ids]
+
+
+def sequential_logprobs(model: str, records: list[TreeRecord], top_k: int, **engine_kwargs) -> dict:
+    """(record index, row) -> {token: logprob} (top-K) of vLLM without speculation decoding context + path."""
+    jobs, where = [], []
+    for ri, rec in enumerate(records):
+        for path in leaf_paths(rec):
+            jobs.append((rec.context, [rec.tokens[j] for j in path]))
+            where.append((ri, path))
+    res = forced_decode(model, jobs, **engine_kwargs)
+    seq = {}
+    for (ri, path), lp in zip(where, res):
+        for d, node in enumerate([-1] + path):
+            v, t = lp[d].topk(top_k)
+            seq[(ri, node + 1)] = dict(zip(t.tolist(), v.tolist()))
+    return seq
+
+
+def node_errors(records: list[TreeRecord], seq: dict, top_k: int, tie: float) -> tuple[torch.Tensor, int]:
+    """Per checked row: max |logprob difference| over the reference's top-K; and argmax mismatches that are not
+    near-ties of the reference (top-2 gap > tie)."""
+    errs, argmax_bad = [], 0
+    for (ri, row), ref in seq.items():
+        lp = records[ri].logprobs[row]
+        top = sorted(ref, key=lambda t: -ref[t])[:top_k]
+        errs.append(max(abs(float(lp[t]) - ref[t]) for t in top))
+        gap = ref[top[0]] - ref[top[1]] if len(top) > 1 else float("inf")
+        argmax_bad += int(lp.argmax()) != top[0] and gap > tie
+    return torch.tensor(errs), argmax_bad
+
+
+def block_crossings(records: list[TreeRecord]) -> dict[str, int]:
+    """How many recorded nodes complete a C4 / C128 block, and how many C4 blocks were completed by two
+    siblings (what isolation is for)."""
+    c4 = c128 = same = 0
+    for rec in records:
+        depth = []
+        for p in rec.parents:
+            depth.append(1 if p < 0 else depth[p] + 1)
+        pos = [rec.root_pos + d for d in depth]
+        done4 = [(p + 1) // 4 for p in pos if (p + 1) % 4 == 0]
+        c4 += len(done4)
+        c128 += sum((p + 1) % 128 == 0 for p in pos)
+        same += len(done4) - len(set(done4))
+    return {"c4": c4, "c128": c128, "same_block": same}
+
+
+def ensure_nvidia_adapter() -> None:
+    """The tree runner must pick the NVIDIA DeepSeek-V4 adapter for the emulated model (integration/adapters.py
+    selects it by the model's layer classes); until that selection is wired, route it here (test-only)."""
+    from vllm_tree_spec.integration import adapters
+    from vllm_tree_spec.integration import runner as runner_mod
+    from vllm_tree_spec.integration.dsv4.nvidia import is_nvidia_model
+    from vllm_tree_spec.integration.dsv4.nvidia.adapter import DeepseekV4NvidiaTreeAdapter
+
+    if getattr(adapters, "NVIDIA_DSV4_SELECTION", False) or getattr(runner_mod.select_adapter, "_nv", False):
+        return
+    orig = runner_mod.select_adapter
+
+    def select(runner):
+        if is_nvidia_model(runner.get_model()):
+            return DeepseekV4NvidiaTreeAdapter(runner)
+        return orig(runner)
+
+    select._nv = True
+    runner_mod.select_adapter = select
+
+
+def emitted_logprob_deltas(a_out, a_lp, b_out, b_lp) -> list[float]:
+    """|log-prob difference| of every emitted token on the shared prefix of two runs' outputs."""
+    from dsv4_harness import first_difference
+
+    out = []
+    for oa, la, ob, lb in zip(a_out, a_lp, b_out, b_lp):
+        j = first_difference(oa, ob)
+        n = len(oa) if j is None else j
+        out += [abs(x - y) for x, y in zip(la[:n], lb[:n])]
+    return out
+
+
+# The emulated engine's own rounding floor, measured with the numerics control (trees whose nodes are all wrong:
+# only root rows, computed with vLLM's own lists in multi-row verify steps, are emitted and committed): fp32 GEMMs
+# on the CPU round differently for different batch shapes (the compressor projections, mHC, the MoE gate), so a
+# row computed in a 9-row step can differ from one computed in a 1-row step (rarely the MoE routing flips and a
+# whole hidden state moves: fp32 state rows up to 0.10 relative, emitted log-probs up to 0.023). fp8 rows keep the
+# dsv4_harness tolerance (5 % of values more than one code step apart); fp32 state rows are held to 0.25 of the
+# row's magnitude: a row of another branch or a stale one is 1.6-2.0 away (the negative controls).
+STATE_REL_TOL = 0.25
+
+
+def snapshot_mismatches(a: dict, b: dict) -> dict[str, float]:
+    from dsv4_harness import ROW_STEP_TOL, compare_snapshots
+
+    return {k: v for k, v in compare_snapshots(a, b).items()
+            if v > (ROW_STEP_TOL if a[k].dtype == torch.uint8 else STATE_REL_TOL)}
