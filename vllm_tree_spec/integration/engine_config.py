@@ -108,13 +108,14 @@ def _check_dsv4_nvidia(cfg, model_config, parallel_config, engine_args, runner) 
         raise TreeSpecError(
             f"{arch} tree speculation on NVIDIA GPUs is wired into vLLM 0.32's V1 model runner only; Model Runner "
             f"V2 (vLLM >= 0.34, or VLLM_USE_V2_MODEL_RUNNER=1) has no DeepSeek-V4 tree adapter. Serve with vLLM "
-            f"0.32 (pip install 'vllm==0.32.*') and VLLM_USE_V2_MODEL_RUNNER unset or 0")
+            f"0.32 (the plugin's gpu extra: vllm==0.32.0) and VLLM_USE_V2_MODEL_RUNNER unset or 0")
     refusals.check_engine(model_config, parallel_config, engine_args,
                           capability=current_platform.get_device_capability(), drafter=cfg.drafter)
     route_to_vllm_handlers()  # the config route runs before any tree worker routes the plugin's log records
-    logger.info("DeepSeek-V4 tree speculation on NVIDIA GPUs: the tree path (vLLM 0.32's NVIDIA DeepSeek-V4 model "
+    logger.info("DeepSeek-V4 tree speculation on NVIDIA GPUs: this path (vLLM 0.32's NVIDIA DeepSeek-V4 model "
                 "classes with the tree adapter) was verified in emulation on CPU, with PyTorch references for the "
-                "GPU-only ops (FlashMLA, DeepGEMM and vLLM's CUDA kernels), not on a GPU")
+                "GPU-only ops (FlashMLA, DeepGEMM, vLLM's CUDA kernels; one rank, eager, greedy, contexts below the "
+                "indexer's top-k), not on a GPU: docs/dsv4.md, \"GPU status\"")
 
 
 def _check_v2(cfg, model_config, parallel_config, engine_args) -> None:
