@@ -3,13 +3,14 @@
 The typed launcher, whose docstring states the contract, is
 `vllm_tree_spec.kernels.tree_verify_launch.tree_verify_triton`; the PyTorch
 twin is `vllm_tree_spec.verify.verify_batch` (the rules of the four modes are
-in `vllm_tree_spec/verify.py` and docs/kernels.md).
+in `vllm_tree_spec/verify/` and docs/kernels.md). The GPU serving path calls it
+through `verify_batch_triton` (`integration/tree_sampler.py::verify_rows`).
 
 One program per request (grid (B,), like vLLM's rejection-sampler kernels)
 walks its tree from the root with first_child / next_sibling over rows. At a
 visited row it streams the vocabulary in BLOCK_V tiles:
 
-    greedy          y = argmax p                 (first index on ties)
+    greedy          y = argmax p                 (first index on ties; or read from target_argmax)
     deterministic   y = argmax p / E[depth]      (exponential race)
     sampled(_wor)   per child x in sibling order: accept if u[depth, j] < p(x) / q(x),
                     else p <- norm(max(0, p - q)) [wor: q[x] <- 0, q <- norm(q)];
@@ -26,9 +27,11 @@ dtype, then widened to float64 for the strict `u < ratio`. The only reductions
 that produce floats -- the residual mass and the without-replacement q mass --
 are **exact fixed-point sums** (entries truncated to int64 multiples of 2^-60
 and added as integers, then converted with one rounding), which do not depend
-on summation order. `verify_batch` reproduces them bit for bit when its row
-sums use the same `exact_row_sum` (see docs/kernels.md); with plain float sums
-the two agree except when a decision falls within rounding of a boundary.
+on summation order: `verify/rules.py::row_sum`, the sum `verify_batch` uses.
+
+EOS / stop ids and max_tokens cut the emitted tokens, but the walk goes on to
+where `verify_batch`'s walk stops (its `walked`: a deterministic walk read
+walked + 1 exponential rows), writing nothing past the cut.
 
 Residuals are kept lazily normalised: a workspace row holds r = max(0, p - q)
 and a scalar z = sum(r); readers compute p = r / z elementwise, exactly the
@@ -131,22 +134,25 @@ def _draw_pass(
 
 # Batch-dependent sizes and strides change every step; do not recompile for them.
 @triton.jit(do_not_specialize=["max_depth", "stride_out", "stride_acc", "stride_tree", "stride_ub", "stride_ud",
-                               "stride_eb", "stride_ed"])
+                               "stride_eb", "stride_ed", "stride_xb", "stride_eos", "num_stops"])
 def tree_verify_kernel(
     output_token_ids_ptr,  # [B, D + 1] int64, PLACEHOLDER_TOKEN_ID padded
     num_accepted_ptr,  # [B] int64
     accepted_nodes_ptr,  # [B, D] int64 local node indices, NO_NODE padded
     next_token_ptr,  # [B] int64 recovered / bonus token (last emitted)
+    walked_ptr,  # [B] int64 accepted nodes before the EOS / max_tokens cut
     cu_num_rows_ptr,  # [B + 1] row offsets; request b owns rows cu[b] .. cu[b+1]-1 (root first)
     node_tokens_ptr,  # [T] draft tokens, request-major (node i of b at cu[b] - b + i)
     first_child_ptr,  # [B, M + 1] local row of the first child, NO_NODE for a leaf
     next_sibling_ptr,  # [B, M + 1] local row of the next sibling, NO_NODE for the last
     modes_ptr,  # [B] verification mode (0 greedy, 1 deterministic, 2 sampled, 3 sampled w/o replacement)
-    target_probs_ptr,  # [R, V] p per row
+    target_probs_ptr,  # [R, V] p per row (greedy rows unread when HAS_ARGMAX)
+    target_argmax_ptr,  # [R] int64 argmax of p per row: greedy requests' draw (HAS_ARGMAX)
     draft_probs_ptr,  # [R, V] q per row (HAS_DRAFT)
     uniform_ptr,  # [B, >= D + 1, >= K] float64 coins (depth, sibling rank)
-    exponential_ptr,  # [B, >= D + 1, V] Exp(1) noise for the draw at each depth
-    eos_ptr,  # [B] int64 EOS token, -1 = none (HAS_EOS)
+    exponential_ptr,  # [B, >= D + 1, V] Exp(1) noise for the draw at each depth; HAS_EXP_INDEX: [E, V] rows
+    exp_index_ptr,  # [B, >= D + 1] int64 row of exponential read at (request, depth) (HAS_EXP_INDEX)
+    eos_ptr,  # [B, S] int64 stop ids (EOS and stop_token_ids), -1 = none (HAS_EOS)
     max_tokens_ptr,  # [B] int64 remaining token budget >= 1 (HAS_MAX_TOKENS)
     p_work_ptr,  # [B, 2, V] residual buffers (HAS_DRAFT)
     q_work_ptr,  # [B, 2, V] renormalised q buffers (HAS_DRAFT)
@@ -161,14 +167,20 @@ def tree_verify_kernel(
     stride_ud,
     stride_eb,
     stride_ed,
+    stride_xb,
+    stride_eos,
+    num_stops,  # S
     stride_pw_b,
     stride_pw_buf,
     stride_qw_b,
     stride_qw_buf,
     HAS_DRAFT: tl.constexpr,
+    HAS_ARGMAX: tl.constexpr,
+    HAS_EXP_INDEX: tl.constexpr,
     HAS_EOS: tl.constexpr,
     HAS_MAX_TOKENS: tl.constexpr,
     DEPTH_P: tl.constexpr,  # next power of two >= D + 1 (padding stores)
+    STOPS_P: tl.constexpr,  # next power of two >= S
     BLOCK_V: tl.constexpr,
 ):
     DTYPE: tl.constexpr = target_probs_ptr.dtype.element_ty
@@ -177,9 +189,10 @@ def tree_verify_kernel(
     row0 = tl.load(cu_num_rows_ptr + pid).to(tl.int64)
     node0 = row0 - pid  # global index of this request's node 0
     mode = tl.load(modes_ptr + pid).to(tl.int32)
-    eos = tl.full([], -1, tl.int64)
+    s_offs = tl.arange(0, STOPS_P).to(tl.int64)
+    stops = tl.full([STOPS_P], -1, tl.int64)
     if HAS_EOS:
-        eos = tl.load(eos_ptr + pid).to(tl.int64)
+        stops = tl.load(eos_ptr + pid * stride_eos + s_offs, mask=s_offs < num_stops, other=-1).to(tl.int64)
     budget = tl.full([], 1 << 62, tl.int64)
     if HAS_MAX_TOKENS:
         budget = tl.load(max_tokens_ptr + pid).to(tl.int64)
@@ -193,21 +206,32 @@ def tree_verify_kernel(
 
     row = tl.full([], 0, tl.int64)  # local row being visited (0 = root)
     count = tl.full([], 0, tl.int64)  # accepted nodes so far = depth of `row`
-    cut = tl.full([], 0, tl.int64)  # 1 if EOS / max_tokens ended the round at an accepted token
+    cut = tl.full([], 0, tl.int64)  # 1 once EOS / max_tokens ended the round at an accepted token
+    cut_count = tl.full([], 0, tl.int64)  # tokens emitted at the cut
     last_tok = tl.full([], PLACEHOLDER_TOKEN_ID, tl.int64)
     go = tl.full([], 1, tl.int32)
     while go != 0:
         grow = row0 + row
         p_row = target_probs_ptr + grow * stride_p
-        e_row = exponential_ptr + pid * stride_eb + count * stride_ed
+        if HAS_EXP_INDEX:
+            e_row = exponential_ptr + tl.load(exp_index_ptr + pid * stride_xb + count).to(tl.int64) * stride_ed
+        else:
+            e_row = exponential_ptr + pid * stride_eb + count * stride_ed
         child = tl.load(first_child_ptr + tree_row + row).to(tl.int64)
         taken = tl.full([], NO_NODE, tl.int64)  # local row of the accepted child
         y = tl.full([], PLACEHOLDER_TOKEN_ID, tl.int64)
         if mode <= DETERMINISTIC:
             # One draw from p (argmax, or the exponential race); accept the first child carrying it.
             use_e = (mode == DETERMINISTIC).to(tl.int32)
-            y = _draw_pass(p_row, pw, tl.full([], -1, tl.int64), one, e_row, use_e, vocab_size, stride_pw_buf,
-                           DTYPE, IS_F64, BLOCK_V)
+            if HAS_ARGMAX:
+                if mode == GREEDY:
+                    y = tl.load(target_argmax_ptr + grow).to(tl.int64)
+                else:
+                    y = _draw_pass(p_row, pw, tl.full([], -1, tl.int64), one, e_row, use_e, vocab_size,
+                                   stride_pw_buf, DTYPE, IS_F64, BLOCK_V)
+            else:
+                y = _draw_pass(p_row, pw, tl.full([], -1, tl.int64), one, e_row, use_e, vocab_size, stride_pw_buf,
+                               DTYPE, IS_F64, BLOCK_V)
             while (child >= 0) & (taken < 0):
                 tok = tl.load(node_tokens_ptr + node0 + child - 1).to(tl.int64)
                 if tok == y:
@@ -273,22 +297,27 @@ def tree_verify_kernel(
                                    DTYPE, IS_F64, BLOCK_V)
         if taken >= 0:
             tok = tl.load(node_tokens_ptr + node0 + taken - 1).to(tl.int64)
-            tl.store(out_row + count, tok)
             count += 1
-            if ((tok == eos) & (eos >= 0)) | (count >= budget):
-                # EOS / max_tokens: the accepted token is the last emitted one.
-                cut = tl.full([], 1, tl.int64)
-                last_tok = tok
-                go = tl.full([], 0, tl.int32)
-            else:
-                tl.store(acc_row_ptr + count - 1, taken - 1)
-                row = taken
+            if cut == 0:
+                tl.store(out_row + count - 1, tok)
+                is_stop = tl.sum(((stops == tok + s_offs * 0) & (stops >= 0)).to(tl.int32), 0) > 0
+                if is_stop | (count >= budget):
+                    # EOS / max_tokens: the accepted token is the last emitted one; the walk goes on
+                    # (writing nothing) to where verify_batch's walk stops, for `walked`.
+                    cut = tl.full([], 1, tl.int64)
+                    cut_count = count
+                    last_tok = tok
+                else:
+                    tl.store(acc_row_ptr + count - 1, taken - 1)
+            row = taken
         else:
-            tl.store(out_row + count, y)
-            last_tok = y
+            if cut == 0:
+                tl.store(out_row + count, y)
+                last_tok = y
             go = tl.full([], 0, tl.int32)
-    num_acc = count - cut
+    num_acc = tl.where(cut != 0, cut_count - 1, count)
     tl.store(num_accepted_ptr + pid, num_acc)
+    tl.store(walked_ptr + pid, count)
     tl.store(next_token_ptr + pid, last_tok)
     pos = tl.arange(0, DEPTH_P).to(tl.int64)
     tl.store(out_row + pos, tl.full([DEPTH_P], PLACEHOLDER_TOKEN_ID, tl.int64),

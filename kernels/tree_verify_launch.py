@@ -2,19 +2,19 @@
 
 Runs natively on CUDA tensors, or on CPU tensors under `TRITON_INTERPRET=1`
 (tests). Triton is imported lazily inside the launchers, so the PyTorch helpers
-here (`exact_row_sum`, `verify_batch_exact_sums`, `tree_verify_inputs`) work
-without Triton.
+here (`tree_verify_inputs`, `pick_config`) work without Triton.
 
 Contract: `tree_verify_triton` / `verify_batch_triton` return exactly what
 `vllm_tree_spec.verify.verify_batch` returns for the same trees, probabilities,
-modes, coins, EOS ids and token budgets -- integer outputs bit for bit. Greedy
-and deterministic requests match the current `verify_batch` unconditionally.
-Sampled requests reduce the residual mass with an order-independent
-fixed-point sum (`exact_row_sum`); they match `verify_batch` bit for bit when
-its row sums are the same (`verify_batch_exact_sums`, or verify/ with the
-change proposed in docs/kernels.md), and otherwise agree except when a coin or
-a race lands within float rounding of a boundary (probability ~1e-16 per
-decision at float64, ~1e-7 at float32).
+modes, coins, stop ids and token budgets -- integer outputs bit for bit, `walked`
+included. The sampled modes' residual and without-replacement masses are the
+order-independent fixed-point `row_sum` of `verify/rules.py` on both sides.
+
+`verify_batch_triton` is the GPU serving path's verifier (`integration/tree_sampler.py::verify_rows`,
+`VLLM_TREE_SPEC_VERIFY`). The served path draws its coins lazily (exponential rows only where the walk
+goes); the kernel cannot draw, so lazy coins are materialised first (`VerifyCoins.materialise`): the rows
+`verify_batch(sync_free=True)` draws, by the same calls in the same order, so a seeded request gives the
+same tokens on either path.
 """
 
 from __future__ import annotations
@@ -25,67 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from vllm_tree_spec.tree import TreeBatch
-from vllm_tree_spec.verify import Mode, TreeVerifyOutput, VerifyCoins, _as_modes, verify_batch
+from vllm_tree_spec.verify import Mode, TreeVerifyOutput, VerifyCoins, _as_modes, upload
 
-FIXED_POINT_BITS = 60  # exact sums: entries become int64 multiples of 2^-60
 _PROB_DTYPES = (torch.float32, torch.float64)
 _INDEX_DTYPES = (torch.int32, torch.int64)
-
-
-# ---------------------------------------------------------------------------
-# PyTorch twins of the kernel's numerics
-
-
-def exact_row_sum(x: torch.Tensor) -> torch.Tensor:
-    """Order-independent sum over the last dim (keepdim), bit-identical on CPU, CUDA and in the kernel.
-
-    Entries (probabilities, 0 <= x < 8 per row total) are truncated to int64
-    multiples of 2^-60 and added as integers, so no summation order can change
-    the result; the int64 total is converted through two exact 32-bit halves so
-    it is rounded once (to float64), then once more to x.dtype. Absolute error
-    <= V * 2^-60 (~1.1e-13 at V = 128k) -- below float32 rounding of the
-    entries themselves, and it enters the verifier's law only as an absolute
-    O(V * 2^-60) perturbation.
-    """
-    n = (x.to(torch.float64) * float(2**FIXED_POINT_BITS)).to(torch.int64).sum(-1, keepdim=True)
-    hi, lo = n >> 32, n & 0xFFFFFFFF
-    z = (hi.to(torch.float64) * float(2**32) + lo.to(torch.float64)) * float(2.0**-FIXED_POINT_BITS)
-    return z.to(x.dtype)
-
-
-class _ExactRowSums(torch.Tensor):
-    """A tensor whose last-dim sums are `exact_row_sum` (everything else is plain PyTorch).
-
-    Wrapping p and q in it makes the unmodified `verify_batch` compute its
-    residual and without-replacement masses the way the kernel does.
-    """
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in (torch.Tensor.sum, torch.sum) and args and args[0].is_floating_point():
-            dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            keepdim = args[2] if len(args) > 2 else kwargs.get("keepdim", False)
-            x = args[0]
-            if dim in (-1, (-1,), [-1], x.dim() - 1) and "dtype" not in kwargs:
-                with torch._C.DisableTorchFunctionSubclass():
-                    s = exact_row_sum(x.as_subclass(torch.Tensor))
-                    s = s if keepdim else s.squeeze(-1)
-                return s.as_subclass(cls)
-        return super().__torch_function__(func, types, args, kwargs)
-
-
-def verify_batch_exact_sums(batch, target_probs, draft_probs, modes, coins=None, **kwargs) -> TreeVerifyOutput:
-    """`verify_batch` with its two row sums replaced by `exact_row_sum` (the kernel's PyTorch twin).
-
-    Identical to `verify_batch` for greedy / deterministic requests; for the
-    sampled modes it is the reference the kernel matches bit for bit.
-    """
-    p = target_probs.as_subclass(_ExactRowSums)
-    q = None if draft_probs is None else draft_probs.as_subclass(_ExactRowSums)
-    out = verify_batch(batch, p, q, modes, coins, **kwargs)
-    return TreeVerifyOutput(*(t.as_subclass(torch.Tensor) for t in
-                              (out.accepted_nodes, out.num_accepted, out.next_token, out.output_token_ids)))
 
 
 # ---------------------------------------------------------------------------
@@ -156,38 +99,47 @@ def tree_verify_triton(
     node_tokens: torch.Tensor,  # [T] int32/int64 draft tokens, T = R - B
     first_child: torch.Tensor,  # [B, M + 1] int32/int64 local rows, -1 = none
     next_sibling: torch.Tensor,  # [B, M + 1] int32/int64 local rows, -1 = none
-    target_probs: torch.Tensor,  # [R, V] fp32/fp64 p per row
+    target_probs: torch.Tensor | None,  # [R, V] fp32/fp64 p per row; None: every request greedy (target_argmax)
     draft_probs: torch.Tensor | None,  # [R, V] same dtype, q per row (sampled modes)
     modes: torch.Tensor,  # [B] int32/int64 `Mode` values
     uniform: torch.Tensor | None,  # [B, >= D + 1, >= K] float64 (sampled modes)
-    exponential: torch.Tensor | None,  # [B, >= D + 1, V] float (deterministic / sampled modes)
+    exponential: torch.Tensor | None,  # [B, >= D + 1, V], or [E, V] rows with exp_index (deterministic / sampled)
     *,
     max_depth: int,
-    eos_token_id: torch.Tensor | None = None,  # [B] int64, -1 = none
+    exp_index: torch.Tensor | None = None,  # [B, >= D + 1] int64: the row of `exponential` read at (b, depth)
+    target_argmax: torch.Tensor | None = None,  # [R] int64 argmax of p: greedy requests read it instead of p
+    eos_token_id: torch.Tensor | None = None,  # [B] or [B, S] int64 stop ids, -1 = none
     max_tokens: torch.Tensor | None = None,  # [B] int64 >= 1
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    out: tuple[torch.Tensor, ...] | None = None,
     workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
     config: TreeVerifyConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Verify B draft trees in one launch (grid (B,)).
 
     Returns (output_token_ids [B, D + 1], num_accepted [B], accepted_nodes [B, D],
-    next_token [B]), all int64, in vLLM's layout: output row b holds the
+    next_token [B], walked [B]), all int64, in vLLM's layout: output row b holds the
     accepted tokens then the recovered / bonus token, PLACEHOLDER (-1) padded;
-    accepted_nodes holds local node indices (row - 1), -1 padded. Semantics are
+    accepted_nodes holds local node indices (row - 1), -1 padded; walked the
+    accepted nodes before the EOS / max_tokens cut. Semantics are
     `verify_batch`'s (module docstring): each visited row emits one token
-    distributed as p; EOS (inclusive) and max_tokens cut the emitted sequence.
+    distributed as p; the first stop id (inclusive) and max_tokens cut the emitted sequence.
 
     No device-to-host synchronisation: max_depth (D) comes from the host tree
     metadata. Preconditions not checked on the device: coins cover every
     (depth, sibling rank) the trees reach; draft_probs is given if a request
-    uses a sampled mode; probability rows sum to ~1 (< 8); max_tokens >= 1.
-    `out` = preallocated result tensors and `workspace` = (p_work, q_work), two
+    uses a sampled mode; probability rows sum to ~1 (< 8); max_tokens >= 1;
+    exp_index rows lie in exponential.
+    `out` = preallocated result tensors (the five above) and `workspace` = (p_work, q_work), two
     [B, 2, V] tensors in the probability dtype (used by sampled modes only),
     keep the launch CUDA-graph capturable.
     """
     from .tree_verify import tree_verify_kernel
 
+    probs_given = target_probs is not None
+    if target_probs is None:
+        if target_argmax is None:
+            raise ValueError("target_probs is required unless every request is greedy and target_argmax is given")
+        target_probs = torch.zeros(1, 1, dtype=torch.float32, device=target_argmax.device)  # never read
     if target_probs.dim() != 2:
         raise ValueError(f"target_probs must be [R, V], got {tuple(target_probs.shape)}")
     _check("target_probs", target_probs, _PROB_DTYPES)
@@ -222,6 +174,11 @@ def tree_verify_triton(
             )
         if draft_probs.stride(1) != 1:
             raise ValueError("draft_probs rows must be contiguous")
+    if target_argmax is not None:
+        _check("target_argmax", target_argmax, _INDEX_DTYPES, 1)
+        if (probs_given and target_argmax.shape[0] != rows) or target_argmax.stride(0) != 1:
+            raise ValueError(f"target_argmax must be a contiguous [R] tensor (R rows of target_probs), got "
+                             f"{tuple(target_argmax.shape)}")
     d = int(max_depth)
     if uniform is not None:
         _check("uniform", uniform, (torch.float64,), 3)
@@ -230,20 +187,35 @@ def tree_verify_triton(
         if uniform.stride(2) != 1:
             raise ValueError("uniform must be contiguous in its last dim")
     if exponential is not None:
-        if exponential.dim() != 3 or exponential.shape[0] < batch or exponential.shape[1] < d + 1 \
+        if exp_index is not None:
+            _check("exp_index", exp_index, _INDEX_DTYPES, 2)
+            if exp_index.shape[0] < batch or exp_index.shape[1] < d + 1 or exp_index.stride(1) != 1:
+                raise ValueError(f"exp_index must be [B, >= D + 1] = [{batch}, >= {d + 1}] with contiguous rows, "
+                                 f"got {tuple(exp_index.shape)}")
+            if exponential.dim() != 2 or exponential.shape[1] != vocab:
+                raise ValueError(f"with exp_index, exponential must be [E, V] = [E, {vocab}] rows, got "
+                                 f"{tuple(exponential.shape)}")
+        elif exponential.dim() != 3 or exponential.shape[0] < batch or exponential.shape[1] < d + 1 \
                 or exponential.shape[2] != vocab:
             raise ValueError(
                 f"exponential must be [B, >= D + 1, V] = [{batch}, >= {d + 1}, {vocab}], got {tuple(exponential.shape)}"
             )
-        if not exponential.is_floating_point() or exponential.stride(2) != 1:
+        if not exponential.is_floating_point() or exponential.stride(-1) != 1:
             raise ValueError("exponential must be a float tensor contiguous in its last dim")
-    for name, t in (("eos_token_id", eos_token_id), ("max_tokens", max_tokens)):
-        if t is not None:
-            _check(name, t, _INDEX_DTYPES, 1)
-            if t.shape[0] != batch:
-                raise ValueError(f"{name} must be [B] = [{batch}], got {tuple(t.shape)}")
+    if eos_token_id is not None:
+        _check("eos_token_id", eos_token_id, _INDEX_DTYPES)
+        if eos_token_id.dim() == 1:
+            eos_token_id = eos_token_id[:, None]
+        if eos_token_id.dim() != 2 or eos_token_id.shape[0] != batch or eos_token_id.stride(1) != 1:
+            raise ValueError(f"eos_token_id must be [B] or [B, S] (rows contiguous) with B = {batch}, got "
+                             f"{tuple(eos_token_id.shape)}")
+    if max_tokens is not None:
+        _check("max_tokens", max_tokens, _INDEX_DTYPES, 1)
+        if max_tokens.shape[0] != batch:
+            raise ValueError(f"max_tokens must be [B] = [{batch}], got {tuple(max_tokens.shape)}")
     tensors = [cu_num_rows, node_tokens, first_child, next_sibling, modes]
-    tensors += [t for t in (draft_probs, uniform, exponential, eos_token_id, max_tokens) if t is not None]
+    tensors += [t for t in (draft_probs, uniform, exponential, exp_index, target_argmax, eos_token_id, max_tokens)
+                if t is not None]
     for t in tensors:
         if t.device != device:
             raise ValueError(f"all inputs must be on {device}; found a tensor on {t.device}")
@@ -254,10 +226,13 @@ def tree_verify_triton(
             torch.empty(batch, dtype=torch.int64, device=device),
             torch.empty(batch, d, dtype=torch.int64, device=device),
             torch.empty(batch, dtype=torch.int64, device=device),
+            torch.empty(batch, dtype=torch.int64, device=device),
         )
-    output_token_ids, num_accepted, accepted_nodes, next_token = out
+    if len(out) != 5:
+        raise ValueError("out must be five tensors: output_token_ids, num_accepted, accepted_nodes, next_token, walked")
+    output_token_ids, num_accepted, accepted_nodes, next_token, walked = out
     if output_token_ids.shape != (batch, d + 1) or accepted_nodes.shape != (batch, d):
-        raise ValueError(f"out tensors must be [B, D + 1] / [B] / [B, D] / [B] with B = {batch}, D = {d}")
+        raise ValueError(f"out tensors must be [B, D + 1] / [B] / [B, D] / [B] / [B] with B = {batch}, D = {d}")
     if batch == 0:
         return out
     has_draft = draft_probs is not None
@@ -273,25 +248,35 @@ def tree_verify_triton(
         raise ValueError(f"workspace must be two [B, 2, V] tensors (B = {batch}, V = {vocab}), rows contiguous")
     uni = uniform if uniform is not None else torch.zeros(1, 1, 1, dtype=torch.float64, device=device)
     exp_ = exponential if exponential is not None else torch.ones(1, 1, vocab, dtype=target_probs.dtype, device=device)
+    if exp_index is not None and exponential is not None:
+        exp_ = exp_[None]  # [1, E, V]: row e of (request, depth) at e * stride_ed
+        xi = exp_index
+    else:
+        xi = dummy_i.view(1, 1)
+    eos2 = eos_token_id if eos_token_id is not None else dummy_i.view(1, 1)
     acc_arg = accepted_nodes if d > 0 else dummy_i.view(1, 1)
     cfg = config or pick_config(vocab)
     depth_p = 1 << max(0, d).bit_length()  # power of two > D
     tree_verify_kernel[(batch,)](
-        output_token_ids, num_accepted, acc_arg, next_token,
+        output_token_ids, num_accepted, acc_arg, next_token, walked,
         cu_num_rows, node_tokens if node_tokens.numel() else dummy_i, first_child, next_sibling, modes,
-        target_probs, draft_probs if has_draft else target_probs, uni, exp_,
-        eos_token_id if eos_token_id is not None else dummy_i,
+        target_probs, target_argmax if target_argmax is not None else dummy_i,
+        draft_probs if has_draft else target_probs, uni, exp_, xi, eos2,
         max_tokens if max_tokens is not None else dummy_i,
         p_work, q_work,
         vocab, d,
         output_token_ids.stride(0), acc_arg.stride(0), first_child.stride(0),
         target_probs.stride(0), (draft_probs if has_draft else target_probs).stride(0),
-        uni.stride(0), uni.stride(1), exp_.stride(0), exp_.stride(1),
+        uni.stride(0), uni.stride(1), exp_.stride(0), exp_.stride(1), xi.stride(0),
+        eos2.stride(0), eos2.shape[1],
         p_work.stride(0), p_work.stride(1), q_work.stride(0), q_work.stride(1),
         HAS_DRAFT=has_draft,
+        HAS_ARGMAX=target_argmax is not None,
+        HAS_EXP_INDEX=exp_index is not None and exponential is not None,
         HAS_EOS=eos_token_id is not None,
         HAS_MAX_TOKENS=max_tokens is not None,
         DEPTH_P=max(2, depth_p),
+        STOPS_P=max(2, 1 << max(0, eos2.shape[1] - 1).bit_length()),
         BLOCK_V=cfg.block_v,
         num_warps=cfg.num_warps,
     )  # fmt: skip
@@ -300,26 +285,39 @@ def tree_verify_triton(
 
 def verify_batch_triton(
     batch: TreeBatch,
-    target_probs: torch.Tensor,  # [R, V]
+    target_probs: torch.Tensor | None,  # [R, V]; None when every request is greedy and target_argmax is given
     draft_probs: torch.Tensor | None,  # [R, V] or None
     modes,
     coins: VerifyCoins | None = None,
     *,
     eos_token_id: torch.Tensor | None = None,
     max_tokens: torch.Tensor | None = None,
+    target_argmax: torch.Tensor | None = None,
+    sync_free: bool = False,
     config: TreeVerifyConfig | None = None,
     inputs: TreeVerifyInputs | None = None,
 ) -> TreeVerifyOutput:
-    """Drop-in for `verify_batch` (same arguments and result) running the Triton kernel.
+    """Drop-in for `verify_batch` (same arguments and result, `walked` included) running the Triton kernel.
 
-    Host-side checks as in `verify_batch` (modes needing draft_probs, coins
-    drawn when None, max_tokens >= 1). `inputs` = precomputed
-    `tree_verify_inputs(batch, device)` (saves the host-to-device copies).
+    Host-side checks as in `verify_batch` (modes needing draft_probs, coins drawn when None, max_tokens
+    >= 1 where it is on the host). Eager coins are read as they are; lazy coins are materialised
+    (`VerifyCoins.materialise`: the rows `verify_batch(sync_free=True)` would draw, drawn the same way;
+    with track_streams, `rewind` afterwards as for `verify_batch`). Greedy requests read `target_argmax`
+    when given (their p rows are never read). The tree metadata, modes, stop ids, budgets and the
+    exponential row index go up in one host-to-device transfer; `sync_free` is accepted for the
+    signature's sake: this path never reads a device tensor on the host. `inputs` = precomputed
+    `tree_verify_inputs(batch, device)` (saves the tree tensors' upload).
     """
-    device = target_probs.device
-    B, V, D = batch.batch_size, target_probs.shape[1], batch.max_depth
-    mode_t = _as_modes(modes, B)
+    ref = target_probs if target_probs is not None else target_argmax
+    if ref is None:
+        raise ValueError("target_probs is required unless every request is greedy and target_argmax is given")
+    device = ref.device
+    B, D = batch.batch_size, batch.max_depth
+    V = target_probs.shape[1] if target_probs is not None else 0
+    mode_t = _as_modes(modes, B)  # host
     present = set(mode_t.tolist())
+    if target_probs is None and present - {int(Mode.GREEDY)}:
+        raise ValueError("target_probs is required unless every request is greedy and target_argmax is given")
     if any(Mode(m).needs_draft_probs for m in present) and draft_probs is None:
         raise ValueError("draft_probs is required when a request uses a sampled mode")
     if coins is None and present - {int(Mode.GREEDY)}:
@@ -330,31 +328,62 @@ def verify_batch_triton(
             raise ValueError(
                 f"coins.uniform {tuple(coins.uniform.shape)} does not cover [B, D + 1, K] = [{B}, {D + 1}, {k}]"
             )
+    if any(t.tokens is None and t.num_nodes for t in batch.trees):
+        raise ValueError("every tree of the batch needs tokens for verification")
+
+    # Host tensors, moved in one transfer (device ones are used as they are: no sync).
+    host: dict[str, torch.Tensor] = {"modes": mode_t}
+    if inputs is None:
+        host.update(cu=batch.cu_num_rows, tokens=batch.tokens, first_child=batch.first_child,
+                    next_sibling=batch.next_sibling)
     if max_tokens is not None:
-        max_tokens = torch.as_tensor(max_tokens, dtype=torch.long, device=device).expand(B).contiguous()
-        if bool((max_tokens < 1).any()):
-            raise ValueError("max_tokens must be >= 1 for every request")
+        mt = torch.as_tensor(max_tokens, dtype=torch.long)
+        if mt.device.type == "cpu":
+            mt = mt.expand(B).contiguous()
+            if bool((mt < 1).any()):
+                raise ValueError("max_tokens must be >= 1 for every request")
+            host["max_tokens"] = mt
+        else:  # on the device: the caller guarantees >= 1 (as verify_batch with sync_free)
+            max_tokens = mt.to(device).expand(B).contiguous()
     if eos_token_id is not None:
-        eos_token_id = torch.as_tensor(eos_token_id, dtype=torch.long, device=device).expand(B).contiguous()
-    tin = inputs or tree_verify_inputs(batch, device)
+        eos = torch.as_tensor(eos_token_id, dtype=torch.long)
+        eos = eos.expand(B)[:, None] if eos.dim() < 2 else eos  # [B, S] stop ids, -1 padded
+        if eos.device.type == "cpu":
+            host["eos"] = eos.contiguous()
+        else:
+            eos_token_id = eos.to(device).contiguous()
+    exp_rows = None
+    if coins is not None and coins.exponential is None and present - {int(Mode.GREEDY)}:
+        det = (mode_t == Mode.DETERMINISTIC).nonzero().flatten().tolist()
+        smp = (mode_t >= Mode.SAMPLED).nonzero().flatten().tolist()
+        exp_rows, host["exp_index"] = coins.materialise(det, smp, D)
+    dev = dict(zip(host, upload(list(host.values()), device)))
+    if "max_tokens" in dev:
+        max_tokens = dev["max_tokens"]
+    if "eos" in dev:
+        eos_token_id = dev["eos"]
+    if inputs is None:
+        inputs = TreeVerifyInputs(dev["cu"], dev["tokens"], dev["first_child"], dev["next_sibling"], D,
+                                  batch.max_children)
     has_draft = draft_probs is not None and bool(present & {int(Mode.SAMPLED), int(Mode.SAMPLED_WITHOUT_REPLACEMENT)})
-    out_ids, num_acc, acc_nodes, nxt = tree_verify_triton(
-        tin.cu_num_rows, tin.node_tokens, tin.first_child, tin.next_sibling,
-        target_probs, draft_probs if has_draft else None, mode_t.to(device=device, dtype=torch.int32),
-        None if coins is None else coins.uniform, None if coins is None else coins.exponential,
-        max_depth=D, eos_token_id=eos_token_id, max_tokens=max_tokens, config=config,
+    exponential = exp_rows if exp_rows is not None else (None if coins is None else coins.exponential)
+    if target_argmax is not None:
+        target_argmax = target_argmax.to(device=device, dtype=torch.long).contiguous()
+    out_ids, num_acc, acc_nodes, nxt, walked = tree_verify_triton(
+        inputs.cu_num_rows, inputs.node_tokens, inputs.first_child, inputs.next_sibling,
+        target_probs, draft_probs if has_draft else None, dev["modes"],
+        None if coins is None else coins.uniform, exponential,
+        max_depth=D, exp_index=dev.get("exp_index"), target_argmax=target_argmax,
+        eos_token_id=eos_token_id, max_tokens=max_tokens, config=config,
     )  # fmt: skip
-    return TreeVerifyOutput(acc_nodes, num_acc, nxt, out_ids)
+    return TreeVerifyOutput(acc_nodes, num_acc, nxt, out_ids, walked)
 
 
 __all__ = [
-    "FIXED_POINT_BITS",
     "TreeVerifyConfig",
     "TreeVerifyInputs",
-    "exact_row_sum",
     "pick_config",
     "tree_verify_inputs",
     "tree_verify_triton",
-    "verify_batch_exact_sums",
     "verify_batch_triton",
 ]

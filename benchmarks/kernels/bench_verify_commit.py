@@ -8,10 +8,12 @@ one launch of
   verify_triton   `tree_verify_triton` (one program per request, walks its tree)
   verify_torch    `vllm_tree_spec.verify.verify_batch` (vectorised over all rows;
                   host syncs inside, so no CUDA-graph timing)
-  verify_served   `verify_batch` as the GPU serving path calls it (`integration/tree_sampler.py`):
-                  `sync_free=True`, greedy from the rows' argmax (computed in the call) without p;
-                  the case's coins drawn beforehand (serving draws them lazily). Its tree metadata
-                  goes host -> device inside, so no CUDA-graph timing either
+  verify_served   `verify_batch` as the serving path calls it with VLLM_TREE_SPEC_VERIFY=torch
+                  (`integration/tree_sampler.py::verify_rows`): lazy coins drawn in the call (as
+                  each step draws them), `sync_free=True`, greedy from the rows' argmax (computed in
+                  the call) without p. Tree metadata goes host -> device inside: no CUDA-graph timing
+  verify_served_triton  the same call through `verify_batch_triton`, the GPU serving path's default:
+                  the lazy coins materialised (`VerifyCoins.materialise`), one upload, one launch
 
 Commit: the same trees with an accepted root-to-leaf path per request (the
 deepest, i.e. the most copies), Llama-3-8B KV layout (32 layers, H_kv 8, D 128,
@@ -49,7 +51,8 @@ import torch
 FULL_GRID = {"batch": [1, 8, 64], "nodes": [4, 16, 64], "vocab": [32000, 128256],
              "modes": ["greedy", "deterministic", "sampled_without_replacement"]}  # fmt: skip
 NOT_CAPTURABLE = {"verify_torch": "host syncs inside verify_batch: not capturable",
-                  "verify_served": "tree metadata uploaded inside verify_batch(sync_free=True): not captured"}
+                  "verify_served": "tree metadata uploaded inside verify_batch(sync_free=True): not captured",
+                  "verify_served_triton": "coins drawn and tree metadata uploaded inside: not captured"}
 QUICK_GRID = {"batch": [1, 3], "nodes": [4], "vocab": [257], "modes": ["greedy", "sampled_without_replacement"]}
 
 
@@ -161,8 +164,8 @@ def make_verify_case(batch_size: int, nodes: int, vocab: int, mode: str, device:
 
 
 def verify_providers(case: VerifyCase, mode: str) -> dict[str, Callable[[], object]]:
-    from vllm_tree_spec.kernels.tree_verify_launch import tree_verify_triton
-    from vllm_tree_spec.verify import verify_batch
+    from vllm_tree_spec.kernels.tree_verify_launch import tree_verify_triton, verify_batch_triton
+    from vllm_tree_spec.verify import Mode, VerifyCoins, verify_batch
 
     sampled = mode.startswith("sampled")
     q = case.q if sampled else None
@@ -170,7 +173,8 @@ def verify_providers(case: VerifyCase, mode: str) -> dict[str, Callable[[], obje
     b, d = case.batch.batch_size, t.max_depth
     dev = case.p.device
     out = (torch.empty(b, d + 1, dtype=torch.int64, device=dev), torch.empty(b, dtype=torch.int64, device=dev),
-           torch.empty(b, d, dtype=torch.int64, device=dev), torch.empty(b, dtype=torch.int64, device=dev))  # fmt: skip
+           torch.empty(b, d, dtype=torch.int64, device=dev), torch.empty(b, dtype=torch.int64, device=dev),
+           torch.empty(b, dtype=torch.int64, device=dev))  # fmt: skip
 
     def triton_fn():
         return tree_verify_triton(t.cu_num_rows, t.node_tokens, t.first_child, t.next_sibling, case.p, q, case.modes,
@@ -182,11 +186,15 @@ def verify_providers(case: VerifyCase, mode: str) -> dict[str, Callable[[], obje
 
     greedy = mode == "greedy"
 
-    def served_fn():
-        return verify_batch(case.batch, None if greedy else case.p, q, mode, None if greedy else case.coins,
-                            target_argmax=case.p.argmax(-1), sync_free=True)
+    def served(verify):
+        coins = None if greedy else VerifyCoins.draw(
+            b, d, case.batch.max_children, case.p.shape[1], device=dev, lazy=True,
+            needs_uniform=[Mode.parse(mode).needs_draft_probs] * b, track_streams=True)
+        return verify(case.batch, None if greedy else case.p, q, mode, coins, target_argmax=case.p.argmax(-1),
+                      sync_free=True)
 
-    return {"verify_triton": triton_fn, "verify_torch": torch_fn, "verify_served": served_fn}
+    return {"verify_triton": triton_fn, "verify_torch": torch_fn, "verify_served": lambda: served(verify_batch),
+            "verify_served_triton": lambda: served(verify_batch_triton)}
 
 
 def verify_bytes(case: VerifyCase, mode: str, num_accepted: torch.Tensor) -> int:
@@ -273,7 +281,7 @@ def correctness(device: torch.device, quick: bool) -> list[dict]:
     import random
 
     from vllm_tree_spec.kernels.kv_commit_launch import kv_commit_reference, kv_commit_triton
-    from vllm_tree_spec.kernels.tree_verify_launch import verify_batch_exact_sums, verify_batch_triton
+    from vllm_tree_spec.kernels.tree_verify_launch import verify_batch_triton
     from vllm_tree_spec.tree import Tree, TreeBatch
     from vllm_tree_spec.verify import VerifyCoins, verify_batch
 
@@ -304,17 +312,25 @@ def correctness(device: torch.device, quick: bool) -> list[dict]:
         coins = VerifyCoins.draw(len(trees), batch.max_depth, batch.max_children, vocab, dtype=dtype, device=device)
         eos = torch.tensor([-1, -1, 5, -1, -1, -1, -1, -1], device=device)
         mt = torch.tensor([100, 2, 100, 1, 100, 100, 3, 100], device=device)
+        fields = ("output_token_ids", "num_accepted", "accepted_nodes", "next_token", "walked")
         out = verify_batch_triton(batch, p, q, modes, coins, eos_token_id=eos, max_tokens=mt)
-        for name, ref_fn in (("verify_batch_exact_sums", verify_batch_exact_sums), ("verify_batch", verify_batch)):
-            ref = ref_fn(batch, p, q, modes, coins, eos_token_id=eos, max_tokens=mt)
-            same = [bool(torch.equal(a, b)) for a, b in zip(
-                (out.output_token_ids, out.num_accepted, out.accepted_nodes, out.next_token),
-                (ref.output_token_ids, ref.num_accepted, ref.accepted_nodes, ref.next_token))]  # fmt: skip
-            rows_out.append({"check": f"verify vs {name}", "dtype": str(dtype).replace("torch.", ""),
-                             "vocab": vocab, "requests": len(trees), "identical": all(same),
-                             # plain float sums may legitimately differ at rounding boundaries (docs)
-                             "gate": name == "verify_batch_exact_sums",
-                             "num_accepted": out.num_accepted.tolist()})  # fmt: skip
+        ref = verify_batch(batch, p, q, modes, coins, eos_token_id=eos, max_tokens=mt)
+        rows_out.append({"check": "verify vs verify_batch", "dtype": str(dtype).replace("torch.", ""),
+                         "vocab": vocab, "requests": len(trees), "gate": True,
+                         "identical": all(torch.equal(getattr(out, f), getattr(ref, f)) for f in fields),
+                         "num_accepted": out.num_accepted.tolist()})  # fmt: skip
+        served = []  # the served form: lazy coins (default RNG reseeded for each), argmax for greedy, sync-free
+        for verify in (verify_batch_triton, verify_batch):
+            torch.manual_seed(2)
+            lazy = VerifyCoins.draw(len(trees), batch.max_depth, batch.max_children, vocab, dtype=dtype,
+                                    device=device, lazy=True, track_streams=True)
+            served.append(verify(batch, p, q, modes, lazy, eos_token_id=eos, max_tokens=mt,
+                                 target_argmax=p.argmax(-1), sync_free=True))
+        rows_out.append({"check": "served verify_batch_triton vs verify_batch",
+                         "dtype": str(dtype).replace("torch.", ""),
+                         "vocab": vocab, "requests": len(trees), "gate": True,
+                         "identical": all(torch.equal(getattr(served[0], f), getattr(served[1], f)) for f in fields),
+                         "num_accepted": served[0].num_accepted.tolist()})  # fmt: skip
     kv = QUICK_KV if quick else KVShape(4, 8, 128, 16, torch.bfloat16, 100)
     case = make_commit_case(3, 15, kv, device, seed=7)
     ref = [c.clone() for c in case.caches]
@@ -484,20 +500,21 @@ def markdown(report: dict) -> str:
     res = report["results"]
     for tmode in meta["timer_modes"]:
         lines += ["", f"## Verification, {tmode} (ms; GB/s over visited rows' p [+E] [+q])", ""]
-        lines.append("| V | B | nodes | mode | mean acc | triton ms | torch ms | speed-up | served ms | served / triton "
-                     "| triton GB/s | % copy |")
-        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        lines.append("| V | B | nodes | mode | mean acc | triton ms | torch ms | speed-up | served ms "
+                     "| served / triton | served triton ms | served / served triton | triton GB/s | % copy |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         keys = dict.fromkeys((r["vocab"], r["batch"], r["nodes"], r["mode"]) for r in res if r["kind"] == "verify")
         for k in keys:
             rows = {r["provider"]: r for r in res if r["kind"] == "verify" and r["timer"] == tmode
                     and (r["vocab"], r["batch"], r["nodes"], r["mode"]) == k}  # fmt: skip
             tr, pt, sv = rows.get("verify_triton"), rows.get("verify_torch"), rows.get("verify_served")
-            speed, served = _ratio(pt, tr), _ratio(sv, tr)
+            st = rows.get("verify_served_triton")
+            speed, served, served_k = _ratio(pt, tr), _ratio(sv, tr), _ratio(sv, st)
             gb = f"{tr['gbps']:.0f}" if tr and tr.get("ms") else "-"
             frac = f"{100 * tr['gbps'] / meta['copy_gbps']:.0f}%" if tr and tr.get("ms") else "-"
             acc = f"{tr['mean_accepted']:.1f}" if tr else "-"
             lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {acc} | {_cell(tr)} | {_cell(pt)} | {speed} "
-                         f"| {_cell(sv)} | {served} | {gb} | {frac} |")  # fmt: skip
+                         f"| {_cell(sv)} | {served} | {_cell(st)} | {served_k} | {gb} | {frac} |")  # fmt: skip
         lines += ["", f"## Commit, {tmode} (ms; GB/s = pairs x layers x (K+V) x row, read + write)", ""]
         lines.append("| B | nodes | pairs | layers | triton ms | torch ms | speed-up | triton GB/s | torch GB/s |")
         lines.append("|---|---|---|---|---|---|---|---|---|")

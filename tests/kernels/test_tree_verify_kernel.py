@@ -3,13 +3,11 @@
 On CPU the kernel runs under TRITON_INTERPRET=1 (set by conftest.py), so the
 sizes are small; on a CUDA machine the same tests run natively.
 
-Exactness contract (docs/kernels.md, "Tree verification"):
-* greedy / deterministic requests: equal to the current `verify_batch`, always;
-* sampled modes: equal to `verify_batch` whose residual / without-replacement
-  sums are the order-independent `exact_row_sum` (`verify_batch_exact_sums`);
-  equal to the plain `verify_batch` unless a decision lands within float
-  rounding of a boundary (tested on random float64 data, where that has
-  probability ~1e-16 per decision).
+Exactness contract (docs/kernels.md, "Tree verification"): every mode equals
+`verify_batch` bit for bit (both reduce residual / without-replacement masses
+with the order-independent fixed-point `row_sum` of verify/rules.py), `walked`
+included. The serving path's form (lazy coins, stop-id lists, greedy from an
+argmax) is tested in test_tree_verify_served.py.
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from vllm_tree_spec.tree import Tree, TreeBatch  # noqa: E402
 from vllm_tree_spec.tree_attention import load_kernels_package  # noqa: E402
-from vllm_tree_spec.verify import Mode, VerifyCoins, verify_batch, verify_tree_with_coins  # noqa: E402
+from vllm_tree_spec.verify import Mode, VerifyCoins, row_sum, verify_batch, verify_tree_with_coins  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -37,10 +35,8 @@ if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 load_kernels_package()
 from vllm_tree_spec.kernels.tree_verify_launch import (  # noqa: E402
     TreeVerifyConfig,
-    exact_row_sum,
     tree_verify_inputs,
     tree_verify_triton,
-    verify_batch_exact_sums,
     verify_batch_triton,
 )
 
@@ -88,11 +84,11 @@ def random_case(rng, vocab, batch_size, max_nodes, dtype, *, distinct=True, shar
 
 
 def outputs(o):
-    return (o.output_token_ids, o.num_accepted, o.accepted_nodes, o.next_token)
+    return (o.output_token_ids, o.num_accepted, o.accepted_nodes, o.next_token, o.walked)
 
 
 def assert_same(out, ref, msg=""):
-    for name, a, b in zip(("output_token_ids", "num_accepted", "accepted_nodes", "next_token"),
+    for name, a, b in zip(("output_token_ids", "num_accepted", "accepted_nodes", "next_token", "walked"),
                           outputs(out), outputs(ref)):  # fmt: skip
         assert a.dtype == torch.int64 and a.shape == b.shape, (name, a.dtype, a.shape, b.shape, msg)
         assert torch.equal(a.cpu(), b.cpu()), (name, a.tolist(), b.tolist(), msg)
@@ -109,8 +105,8 @@ def extras(rng, batch_size, vocab):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_greedy_and_deterministic_equal_current_verify_batch(dtype):
-    """No float reductions but argmax: bit-identical to the unmodified verify_batch, duplicates included."""
+def test_greedy_and_deterministic_equal_verify_batch(dtype):
+    """No float reductions but argmax: bit-identical to verify_batch, duplicates included."""
     rng = random.Random(11)
     for trial in range(14):
         vocab = rng.choice([5, 37, 61, 250])
@@ -126,7 +122,7 @@ def test_greedy_and_deterministic_equal_current_verify_batch(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_all_modes_equal_exact_sum_verify_batch(dtype):
+def test_all_modes_equal_verify_batch(dtype):
     """Mixed modes, EOS / max_tokens cuts, duplicates (greedy / sampled), odd vocabularies: bit-identical."""
     rng = random.Random(5 if dtype == torch.float64 else 6)
     for trial in range(16):
@@ -137,23 +133,9 @@ def test_all_modes_equal_exact_sum_verify_batch(dtype):
         modes = [rng.choice(MODES if distinct else ["greedy", "sampled"]) for _ in trees]
         coins = VerifyCoins.draw(bs, batch.max_depth, batch.max_children, vocab, dtype=dtype, device=DEVICE)
         kw = extras(rng, bs, vocab) if trial % 2 else {}
-        ref = verify_batch_exact_sums(batch, p, q, modes, coins, **kw)
+        ref = verify_batch(batch, p, q, modes, coins, **kw)
         out = verify_batch_triton(batch, p, q, modes, coins, config=SMALL if trial % 2 else None, **kw)
         assert_same(out, ref, (trial, modes))
-
-
-def test_all_modes_equal_plain_verify_batch_float64():
-    """Against the unmodified verify_batch (torch float sums): equal on random float64 data."""
-    rng = random.Random(21)
-    for trial in range(10):
-        vocab = rng.choice([7, 40, 300])
-        bs = rng.randint(2, 6)
-        trees, batch, p, q = random_case(rng, vocab, bs, 12, torch.float64)
-        modes = [rng.choice(MODES) for _ in trees]
-        coins = VerifyCoins.draw(bs, batch.max_depth, batch.max_children, vocab, dtype=torch.float64,
-                                 device=DEVICE)  # fmt: skip
-        kw = extras(rng, bs, vocab)
-        assert_same(verify_batch_triton(batch, p, q, modes, coins, **kw), verify_batch(batch, p, q, modes, coins, **kw))
 
 
 def test_matches_reference_walk_per_request():
@@ -183,7 +165,7 @@ def test_property_random_batches(seed, vocab, dtype, block_v):
     kw = extras(rng, bs, vocab) if rng.random() < 0.5 else {}
     cfg = None if block_v is None else TreeVerifyConfig(block_v, 1)
     assert_same(verify_batch_triton(batch, p, q, modes, coins, config=cfg, **kw),
-                verify_batch_exact_sums(batch, p, q, modes, coins, **kw), (seed, modes))
+                verify_batch(batch, p, q, modes, coins, **kw), (seed, modes))
 
 
 # ---------------------------------------------------------------------------
@@ -198,7 +180,7 @@ def test_empty_trees(mode):
     coins = VerifyCoins.draw(3, 0, 0, 19, device=DEVICE)
     out = verify_batch_triton(batch, p, q, mode, coins, config=SMALL)
     assert out.output_token_ids.shape == (3, 1) and out.accepted_nodes.shape == (3, 0)
-    assert_same(out, verify_batch_exact_sums(batch, p, q, mode, coins))
+    assert_same(out, verify_batch(batch, p, q, mode, coins))
 
 
 def test_duplicate_siblings_sampled_and_greedy():
@@ -208,7 +190,7 @@ def test_duplicate_siblings_sampled_and_greedy():
         trees, batch, p, q = random_case(rng, 3, 4, 8, torch.float64, distinct=False)
         coins = VerifyCoins.draw(4, batch.max_depth, batch.max_children, 3, dtype=torch.float64, device=DEVICE)
         for mode in ("greedy", "sampled"):
-            ref = verify_batch_exact_sums(batch, p, q, mode, coins)
+            ref = verify_batch(batch, p, q, mode, coins)
             assert_same(verify_batch_triton(batch, p, q, mode, coins), ref)
 
 
@@ -309,34 +291,26 @@ def test_without_replacement_q_mass_exhausted():
     coins = VerifyCoins.draw(1, 1, 2, 4, dtype=torch.float64, device=DEVICE)
     coins.uniform[0, 0] = 0.99
     mode = "sampled_without_replacement"
-    ref = verify_batch_exact_sums(batch, p, q, mode, coins)
+    ref = verify_batch(batch, p, q, mode, coins)
     assert int(ref.num_accepted[0]) == 0 and int(ref.next_token[0]) in (2, 3)
     assert_same(verify_batch_triton(batch, p, q, mode, coins), ref)
 
 
 # ---------------------------------------------------------------------------
-# Exact row sums
+# The fixed-point row sum the kernel reproduces
 
 
-def test_exact_row_sum_is_order_independent():
+def test_row_sum_is_order_independent():
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.float64):
         x = torch.softmax(torch.randn(4, 1001, generator=g, dtype=torch.float64) * 4, -1).to(dtype)
-        s = exact_row_sum(x)
+        s = row_sum(x)
         perm = torch.randperm(1001, generator=g)
-        assert torch.equal(exact_row_sum(x[:, perm]), s)  # any order, same bits
-        assert torch.equal(exact_row_sum(x.flip(-1)), s)
+        assert torch.equal(row_sum(x[:, perm]), s)  # any order, same bits
+        assert torch.equal(row_sum(x.flip(-1)), s)
         err = (s.double() - x.double().sum(-1, keepdim=True)).abs().max()
         assert err <= 1001 * 2.0**-60 + 4 * torch.finfo(dtype).eps
-    assert float(exact_row_sum(torch.tensor([0.19999999999999998, 0.0], dtype=torch.float64))) == 0.19999999999999998
-
-
-def test_exact_sum_reference_equals_verify_batch_without_sampled_modes():
-    rng = random.Random(2)
-    trees, batch, p, q = random_case(rng, 30, 5, 8, torch.float32)
-    coins = VerifyCoins.draw(5, batch.max_depth, batch.max_children, 30, device=DEVICE)
-    for mode in ("greedy", "deterministic"):
-        assert_same(verify_batch_exact_sums(batch, p, q, mode, coins), verify_batch(batch, p, q, mode, coins))
+    assert float(row_sum(torch.tensor([0.19999999999999998, 0.0], dtype=torch.float64))) == 0.19999999999999998
 
 
 # ---------------------------------------------------------------------------
@@ -349,17 +323,18 @@ def test_low_level_launcher_reuses_buffers_and_int64_inputs():
     trees, batch, p, q = random_case(rng, 33, 4, 9, torch.float32)
     modes = torch.tensor([0, 1, 2, 3], dtype=torch.int64, device=DEVICE)
     coins = VerifyCoins.draw(4, batch.max_depth, batch.max_children, 33, device=DEVICE)
-    ref = verify_batch_exact_sums(batch, p, q, modes.cpu(), coins)
+    ref = verify_batch(batch, p, q, modes.cpu(), coins)
     tin = tree_verify_inputs(batch, DEVICE, dtype=torch.int64)
     d = tin.max_depth
     i64 = dict(dtype=torch.int64, device=DEVICE)
-    out = (torch.full((4, d + 1), 7, **i64), torch.empty(4, **i64), torch.full((4, d), 7, **i64), torch.empty(4, **i64))
+    out = (torch.full((4, d + 1), 7, **i64), torch.empty(4, **i64), torch.full((4, d), 7, **i64), torch.empty(4, **i64),
+           torch.empty(4, **i64))
     ws = (torch.empty(4, 2, 33, device=DEVICE), torch.empty(4, 2, 33, device=DEVICE))
     for _ in range(2):
         res = tree_verify_triton(tin.cu_num_rows, tin.node_tokens, tin.first_child, tin.next_sibling, p, q, modes,
                                  coins.uniform, coins.exponential, max_depth=d, out=out, workspace=ws, config=SMALL)
         assert all(a is b for a, b in zip(res, out))
-        assert_same(type(ref)(res[2], res[1], res[3], res[0]), ref)
+        assert_same(type(ref)(res[2], res[1], res[3], res[0], res[4]), ref)
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="inspects compiled PTX (the interpreter divides with numpy)")
@@ -411,14 +386,19 @@ def test_bench_verify_commit_quick(tmp_path, monkeypatch):
     assert any(r["provider"] == "verify_triton" and r["ms"] for r in report["results"])
     assert any(r["provider"] == "commit_triton" and r["ms"] for r in report["results"])
     assert any(r["provider"] == "verify_served" and r["ms"] for r in report["results"])
+    assert any(r["provider"] == "verify_served_triton" and r["ms"] for r in report["results"])
     import bench_verify_commit as bench
 
-    for mode in ("greedy", "deterministic", "sampled_without_replacement"):  # the served call verifies the same
+    for mode in ("greedy", "deterministic", "sampled_without_replacement"):  # both served calls verify the same
         case = bench.make_verify_case(3, 4, 257, mode, torch.device("cpu"), seed=11)
         provs = bench.verify_providers(case, mode)
-        ref, served = provs["verify_torch"](), provs["verify_served"]()
-        assert torch.equal(ref.output_token_ids, served.output_token_ids), mode
-        assert torch.equal(ref.num_accepted, served.num_accepted), mode
+        ref = provs["verify_torch"]()
+        assert_same(type(ref)(*(provs["verify_triton"]()[i] for i in (2, 1, 3, 0, 4))), ref)
+        served = []
+        for name in ("verify_served", "verify_served_triton"):
+            torch.manual_seed(3)  # the same lazy coins for both
+            served.append(provs[name]())
+        assert_same(served[1], served[0], mode)
     sys.modules.pop("run_all", None)
     sys.modules.pop("bench_verify_commit", None)
 
@@ -428,8 +408,8 @@ def test_bench_verify_commit_quick(tmp_path, monkeypatch):
 def test_coin_on_residual_boundary(mode, dtype):
     """After a rejection the next ratio depends on the residual mass to the last bit: put the coin exactly on it.
 
-    The expected ratio is computed with the PyTorch twin (`exact_row_sum`); u == ratio must reject and
-    u == nextafter(ratio, 0) accept, in the kernel and in `verify_batch_exact_sums`. A kernel summing in a
+    The expected ratio is computed with the PyTorch twin (`row_sum`); u == ratio must reject and
+    u == nextafter(ratio, 0) accept, in the kernel and in `verify_batch`. A kernel summing in a
     different float order (or dividing approximately) fails this on most seeds.
     """
     vocab = 4099
@@ -438,11 +418,11 @@ def test_coin_on_residual_boundary(mode, dtype):
     q = torch.softmax(torch.randn(vocab, generator=g, dtype=torch.float64) * 2, -1).to(dtype)
     x1 = int(torch.argmin(p.double() / q.double()))  # p(x1) << q(x1): rejected at u = 0.9999
     r = (p - q).clamp(min=0)
-    p1 = r / exact_row_sum(r)
+    p1 = r / row_sum(r)
     q1 = q
     if mode == "sampled_without_replacement":
         q1 = q.scatter(0, torch.tensor([x1]), 0.0)
-        q1 = q1 / exact_row_sum(q1).clamp(min=torch.finfo(dtype).tiny)
+        q1 = q1 / row_sum(q1).clamp(min=torch.finfo(dtype).tiny)
     ratios = p1 / q1
     cands = ((ratios > 0.05) & (ratios < 0.95)).nonzero().flatten()
     x2 = int(cands[len(cands) // 2])
@@ -454,7 +434,7 @@ def test_coin_on_residual_boundary(mode, dtype):
         coins = VerifyCoins.draw(1, 1, 2, vocab, dtype=dtype, device=DEVICE)
         coins.uniform[0, 0, 0] = 0.9999
         coins.uniform[0, 0, 1] = u
-        ref = verify_batch_exact_sums(batch, pp, qq, mode, coins)
+        ref = verify_batch(batch, pp, qq, mode, coins)
         out = verify_batch_triton(batch, pp, qq, mode, coins)
         assert int(ref.num_accepted[0]) == accepted
         assert_same(out, ref, (u, ratio))

@@ -26,10 +26,16 @@ runner adapter wraps it in its runner's `SamplerOutput` (V1: `runner.py::tree_sa
   history: the committed output plus the tokens on the path to that row, through
   vLLM's own penalty and bad-words functions. Grammars and other processors that
   read drafts as a chain are never drafted for (`unsupported_reason`).
-* One `verify_batch` call per step for all tree requests, greedy and sampled mixed. Greedy rows read
-  only their argmax (`verify_batch(target_argmax=...)`: no [R, V] distributions for them); sampled
+* One verification call per step for all tree requests, greedy and sampled mixed. Greedy rows read
+  only their argmax (`target_argmax=...`: no [R, V] distributions for them); sampled
   requests without history- or id-dependent transforms get their p rows from one `target_probs` call
   per set of enabled parameters (`_plain_probs`), the same ops per row as a per-request call.
+* The verifier (`verifier`, `VLLM_TREE_SPEC_VERIFY=triton|torch`): on CUDA the Triton kernel
+  (`kernels/tree_verify_launch.py::verify_batch_triton`, one program per request walking its tree),
+  elsewhere `verify.verify_batch`; the same outputs bit for bit given the same coins. The kernel
+  cannot draw, so the lazy coins' exponential rows are materialised first (`VerifyCoins.materialise`:
+  D + 1 rows of V per deterministic request, 1 per sampled one, by the calls the sync-free torch walk
+  makes), so the same seed gives the same tokens on either verifier.
 * On accelerators (`verify.sync_free`) verification has no data-dependent host sync: the step's one
   device-to-host transfer carries the tokens, accepted paths and lengths together; seeded streams are
   then rewound to the rows the walk read (`VerifyCoins.rewind`).
@@ -42,6 +48,9 @@ runner adapter wraps it in its runner's `SamplerOutput` (V1: `runner.py::tree_sa
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -53,6 +62,55 @@ from vllm_tree_spec.verify import (Mode, TreeVerifyOutput, VerifyCoins, _exponen
                                    verify_batch)
 
 PLACEHOLDER_TOKEN_ID = -1
+
+VERIFY_ENV = "VLLM_TREE_SPEC_VERIFY"  # triton | torch; default: triton on CUDA, torch elsewhere
+VERIFIERS = ("triton", "torch")
+
+
+@functools.cache
+def _triton_verifier():
+    """`verify_batch_triton`, or the reason Triton cannot be imported (a str)."""
+    try:
+        import triton  # noqa: F401
+
+        from vllm_tree_spec.tree_attention import load_kernels_package
+
+        load_kernels_package()
+        from vllm_tree_spec.kernels.tree_verify_launch import verify_batch_triton
+    except ImportError as e:
+        return f"{type(e).__name__}: {e}"
+    return verify_batch_triton
+
+
+def verifier(device) -> Callable[..., TreeVerifyOutput]:
+    """The step's verifier: `verify_batch_triton` (the Triton kernel) or `verify_batch`, same arguments,
+    same outputs. VLLM_TREE_SPEC_VERIFY=triton|torch chooses; by default the kernel on CUDA devices and
+    verify_batch elsewhere (forcing the kernel on CPU needs TRITON_INTERPRET=1: tests)."""
+    choice = os.environ.get(VERIFY_ENV, "").strip().lower()
+    if choice and choice not in VERIFIERS:
+        raise ValueError(f"{VERIFY_ENV}={choice!r}: choose one of {', '.join(VERIFIERS)} (default: triton on "
+                         f"CUDA devices, torch elsewhere)")
+    on_cuda = torch.device(device).type == "cuda"
+    if choice == "torch" or (not choice and not on_cuda):
+        return verify_batch
+    kernel = _triton_verifier()
+    if isinstance(kernel, str):
+        if choice == "triton":
+            raise RuntimeError(f"{VERIFY_ENV}=triton but Triton cannot be imported ({kernel}); install triton or "
+                               f"set {VERIFY_ENV}=torch")
+        _warn_once(f"tree verification on {device}: Triton cannot be imported ({kernel}); using verify_batch "
+                   f"(set {VERIFY_ENV}=torch to silence this)")
+        return verify_batch
+    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{VERIFY_ENV}=triton on {device}: the kernel runs on CUDA devices, or on CPU under "
+                           f"TRITON_INTERPRET=1 (set before Triton is imported); unset {VERIFY_ENV} to verify with "
+                           f"verify_batch")
+    return kernel
+
+
+@functools.cache
+def _warn_once(msg: str) -> None:
+    logging.getLogger(__name__).warning(msg)
 
 
 _GREEDY_OP: list = []  # the op once found (a miss is not cached: vLLM may load its ops library later)
@@ -357,6 +415,7 @@ def verify_rows(batch: SampleBatch, logits: torch.Tensor, step) -> StepSample:
     emit_rows[:, 0] = root_rows
     result = host = coins = None
     if tree_idx:
+        verify = verifier(device)
         reqs = [tree_by_index[b] for b in tree_idx]
         for b, r in zip(tree_idx, reqs):
             assert r.num_nodes + r.num_pads == num_draft[b], (r.req_id, r.num_nodes, r.num_pads, num_draft[b])
@@ -420,13 +479,15 @@ def verify_rows(batch: SampleBatch, logits: torch.Tensor, step) -> StepSample:
                 for j, r in enumerate(reqs):
                     if r.draft_probs is not None:
                         q_all[offsets[j]: offsets[j + 1]] = r.draft_probs.to(p_all)
+            # Lazy: rows drawn where the walk goes (the kernel path materialises the rows the sync-free walk
+            # would draw, and gives back the unread ones with `rewind`, like the sync-free walk).
             coins = VerifyCoins.draw(len(reqs), batch_trees.max_depth, batch_trees.max_children, p_all.shape[1],
                                      generators=[st.generator for st in states], dtype=p_all.dtype,
-                                     device=device, lazy=True,  # rows drawn where the walk goes
+                                     device=device, lazy=True,
                                      needs_uniform=[Mode(m).needs_draft_probs for m in modes],
-                                     track_streams=sync_free(device))
-        result = verify_batch(batch_trees, p_all, q_all, torch.tensor(modes), coins, eos_token_id=eos,
-                              max_tokens=torch.tensor(budget), target_argmax=y, sync_free=sync_free(device))
+                                     track_streams=sync_free(device) or verify is not verify_batch)
+        result = verify(batch_trees, p_all, q_all, torch.tensor(modes), coins, eos_token_id=eos,
+                        max_tokens=torch.tensor(budget), target_argmax=y, sync_free=sync_free(device))
         result = broadcast_from_first_rank(result)
         cols = result.output_token_ids.shape[1]
         out[tree_t, :cols] = result.output_token_ids

@@ -9,7 +9,8 @@ same `VerifyCoins` makes the reference walk (`verify_tree_with_coins`), the vect
 Lazy coins (`VerifyCoins.draw(..., lazy=True)`, the engine's) draw an exponential row only when
 the walk reaches its depth: the same law, (accepted + 1) rows of V per request instead of D + 1.
 Seeded requests draw from their own generator, so a request's tokens do not depend on the rest of
-the batch.
+the batch. A verifier that cannot draw (the Triton kernel) gets them materialised
+(`VerifyCoins.materialise`), drawn as the sync-free walk draws them.
 
 The reference walk reads its randomness through `CoinSource`: `GeneratorCoins` (fresh draws from a
 generator), `TensorCoins` (one request's slice of `VerifyCoins`), or an exact enumerator
@@ -99,6 +100,34 @@ class VerifyCoins:
                 if gens[b] is not None:
                     self.tracked.setdefault(b, []).append(gens[b].get_state())
         return _exponential_rows([gens[b] for b in ids], 1, self.vocab_size, self.dtype, self.uniform.device)
+
+    def materialise(self, deterministic: Sequence[int], sampled: Sequence[int],
+                    max_depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Lazy coins -> every exponential row a walk may read, for a verifier that cannot draw (the Triton
+        kernel): (rows [E, V] on the coins' device, index [B, D + 1] int64 on the host: the row read at
+        (request, depth)).
+
+        Drawn by the calls `verify_batch(sync_free=True)` makes, in its order: at each depth 0..D one row
+        per deterministic request (`deterministic`: request ids, ascending), then one row per sampled
+        request (`sampled`), its recovered / bonus draw, read at whatever depth its walk stops. So a
+        seeded request gets the same rows on either path, and with track_streams `rewind` afterwards
+        leaves its stream where the other path leaves it. Greedy requests read no row (index 0).
+        E = (D + 1) * len(deterministic) + len(sampled); the rows cost E * V * itemsize bytes.
+        """
+        n_det, n_smp = len(deterministic), len(sampled)
+        device = self.uniform.device
+        rows = torch.empty(((max_depth + 1) * n_det + n_smp, self.vocab_size), dtype=self.dtype, device=device)
+        index = torch.zeros(self.uniform.shape[0], max_depth + 1, dtype=torch.long)  # [B, D + 1]
+        det = torch.tensor(list(deterministic), dtype=torch.long)
+        if n_det:
+            for d in range(max_depth + 1):
+                rows[d * n_det: (d + 1) * n_det] = self.exponential_at(det, torch.full((n_det,), d))
+            index[det] = torch.arange(max_depth + 1)[None, :] * n_det + torch.arange(n_det)[:, None]
+        if n_smp:
+            smp = torch.tensor(list(sampled), dtype=torch.long)
+            rows[(max_depth + 1) * n_det:] = self.exponential_at(smp, torch.zeros(n_smp, dtype=torch.long))
+            index[smp] = (max_depth + 1) * n_det + torch.arange(n_smp)[:, None]
+        return rows, index
 
     def rewind(self, rows_read: Sequence[int]) -> None:
         """Seeded streams of tracked lazy coins: keep the first rows_read[b] exponential rows, give back
