@@ -7,7 +7,7 @@ Exactness contract (docs/kernels.md, "Tree verification"): every mode equals
 `verify_batch` bit for bit (both reduce residual / without-replacement masses
 with the order-independent fixed-point `row_sum` of verify/rules.py), `walked`
 included. The serving path's form (lazy coins, stop-id lists, greedy from an
-argmax) is tested in test_tree_verify_served.py.
+argmax) is tested in tests/integration/test_verify_kernel_path.py.
 """
 
 from __future__ import annotations
