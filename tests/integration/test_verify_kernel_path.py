@@ -195,6 +195,12 @@ def test_verifier_choice(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         tree_sampler.verifier("cpu")
+    # Without Triton: forcing the kernel is an error with the fix; the CUDA default falls back, logged
+    monkeypatch.setattr(tree_sampler, "_triton_verifier", lambda: "ModuleNotFoundError: No module named 'triton'")
+    with pytest.raises(RuntimeError, match=f"install triton or set {ENV}=torch"):
+        tree_sampler.verifier(torch.device("cuda"))
+    monkeypatch.delenv(ENV)
+    assert tree_sampler.verifier(torch.device("cuda")) is verify_batch
 
 
 # ---------------------------------------------------------------------------

@@ -49,7 +49,6 @@ runner adapter wraps it in its runner's `SamplerOutput` (V1: `runner.py::tree_sa
 from __future__ import annotations
 
 import functools
-import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -110,7 +109,9 @@ def verifier(device) -> Callable[..., TreeVerifyOutput]:
 
 @functools.cache
 def _warn_once(msg: str) -> None:
-    logging.getLogger(__name__).warning(msg)
+    from vllm.logger import init_logger
+
+    init_logger(__name__).warning(msg)
 
 
 _GREEDY_OP: list = []  # the op once found (a miss is not cached: vLLM may load its ops library later)
