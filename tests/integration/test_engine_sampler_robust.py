@@ -152,7 +152,7 @@ def test_seed_check_detects_batch_dependent_coins(peaked):
 
 
 @pytest.mark.vllm
-def test_stop_token_ids_cut_the_round(peaked):
+def test_stop_token_ids_cut_the_round(peaked, monkeypatch):
     """Greedy requests with stop_token_ids taken from their own continuation: outputs end at the first
     stop id (as without speculation), and no verified round emits tokens past a stop id, so the commit and
     the acceptance counters stop there too."""
@@ -170,6 +170,7 @@ def test_stop_token_ids_cut_the_round(peaked):
               for s in stops]
     rounds = []
     real = tree_sampler.verify_batch
+    monkeypatch.setenv(tree_sampler.VERIFY_ENV, "torch")  # recorded in verify_batch (CUDA's default is the kernel)
 
     def record(batch, p, q, modes, coins, **kw):
         out = real(batch, p, q, modes, coins, **kw)

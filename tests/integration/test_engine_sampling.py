@@ -255,6 +255,7 @@ def test_sampling_check_detects_a_lossy_verifier(setup, law_cache, engine, monke
         return real(batch, p, q, torch.zeros_like(modes), coins, **kw)  # Mode.GREEDY for everyone
 
     monkeypatch.setattr(tree_sampler, "verify_batch", lossy)
+    monkeypatch.setenv(tree_sampler.VERIFY_ENV, "torch")  # the plant sits in verify_batch (CUDA's default is the kernel)
     path, model, prompt = setup
     run, counts = sample(path, prompt, MODES["deterministic"][0], ["temperature"], seed0=20_000, dtype=dtype)
     assert run.isas == {isa}, run.isas

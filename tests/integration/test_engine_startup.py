@@ -130,6 +130,16 @@ def test_encoder_decoder_model_is_refused(tmp_path):
 
 
 @pytest.mark.vllm
+def test_bad_verifier_choice_stops_engine_start(model, monkeypatch):
+    """VLLM_TREE_SPEC_VERIFY is checked when the runner's KV cache exists, before any request is served."""
+    from vllm_tree_spec.integration.tree_sampler import VERIFY_ENV
+
+    monkeypatch.setenv(VERIFY_ENV, "cuda-kernel")
+    with pytest.raises(Exception, match=f"{VERIFY_ENV}='cuda-kernel': choose one of"):
+        _llm(model, TREE)
+
+
+@pytest.mark.vllm
 def test_a_layer_without_the_tree_mask_fails_loudly(model, monkeypatch):
     """Negative control for the silent causal fallback: layer 1 keeps the stock causal output."""
     from vllm import SamplingParams

@@ -118,6 +118,7 @@ def test_sampling_check_detects_a_lossy_verifier(peaked_model, law, monkeypatch)
         return real(batch, p, q, torch.zeros_like(modes), coins, **kw)  # Mode.GREEDY for everyone
 
     monkeypatch.setattr(tree_sampler, "verify_batch", lossy)
+    monkeypatch.setenv(tree_sampler.VERIFY_ENV, "torch")  # the plant sits in verify_batch (CUDA's default is the kernel)
     prompt, joint = law
     run, c12, c23 = sample(peaked_model, prompt, SPEC)
     assert chi_square_fit(c23, joint["23"], N) < P_MIN

@@ -76,6 +76,7 @@ class TreeRunnerMixin(TreeRunnerChecks):
             kv_cache_config = reserve(self, kv_cache_config)
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         self.tree_check_caches()
+        self.tree_check_verifier()
         after = getattr(self.tree_adapter, "on_kv_cache", None)
         if after is not None:
             after(self)

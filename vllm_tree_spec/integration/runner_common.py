@@ -51,3 +51,13 @@ class TreeRunnerChecks:
                 kv = kv[0] if kv else None
             if check is not None and isinstance(kv, torch.Tensor) and kv.numel():
                 check(layer, kv)
+
+    def tree_check_verifier(self) -> None:
+        """Refuse at start-up a verifier choice (VLLM_TREE_SPEC_VERIFY) this device cannot run, rather than at
+        the first tree step."""
+        from vllm_tree_spec.integration.tree_sampler import verifier
+
+        try:
+            verifier(self.device)
+        except (ValueError, RuntimeError) as e:
+            raise RuntimeError(f"tree speculation: {e}") from None

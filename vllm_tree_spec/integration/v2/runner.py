@@ -127,6 +127,7 @@ class TreeV2RunnerMixin(TreeRunnerChecks):
             kv_cache_config = reserve(self, kv_cache_config)
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         self.tree_check_caches()
+        self.tree_check_verifier()
 
     # -- request states -------------------------------------------------------------------------
     def add_requests(self, scheduler_output):
