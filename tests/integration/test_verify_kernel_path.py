@@ -10,7 +10,7 @@ No GPU here: the kernel runs under TRITON_INTERPRET=1 (tests/conftest.py) on CPU
 * A faked tree step through the runner (tests/integration/step_harness.py): kernel and torch verifier
   give the same tokens, KV caches and streams; the kernel step keeps one device-to-host sync.
 * The served engine on a tiny model with the kernel forced: greedy identical to no speculation; seeded
-  requests give the torch verifier's tokens; the exact law of the sampled mode (slow).
+  requests give the torch verifier's tokens; the exact law of the sampled mode (both in the extended set).
 """
 
 from __future__ import annotations
@@ -319,7 +319,7 @@ def _spy_verifier(monkeypatch) -> list:
 
 
 @pytest.mark.vllm
-@pytest.mark.slow
+@pytest.mark.extended  # beyond CI's representative set (docs/testing.md)
 def test_engine_kernel_path_seeded_requests_equal_torch(law_setup, monkeypatch):
     """Seeded sampled requests (deterministic mode: suffix trees; sampled mode: the target as its own draft
     model) on test_engine_sampling's peaked 48-token model: the kernel gives the torch verifier's tokens."""
@@ -351,7 +351,7 @@ from test_engine_sampling import setup as law_setup  # noqa: E402,F401
 
 @pytest.mark.vllm
 @pytest.mark.stats
-@pytest.mark.slow
+@pytest.mark.extended  # beyond CI's representative set (docs/testing.md)
 def test_engine_kernel_path_sampling_law_is_exact(law_setup, law_cache, monkeypatch):
     monkeypatch.setenv(ENV, "triton")
     path, model, prompt = law_setup

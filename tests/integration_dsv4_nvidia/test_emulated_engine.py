@@ -8,7 +8,7 @@
   FlashMLA's sparse decode over the paged FP8 caches and vLLM's decode index lists (SWA decode_swa_indices /
   lens, C4 top-k -> global slots, C128 dense lists); prefills through the gathered workspace and the combined
   prefill lists. FP8 rounding differs between batch shapes (the bf16 projections feeding the quantizers round
-  differently), so single tokens differ by up to ~0.2; the median is ~5e-4. Negative controls (slow): a decode
+  differently), so single tokens differ by up to ~0.2; the median is ~5e-4. Negative controls (extended set): a decode
   list that drops the row's own window row, and lists that drop the newest compressed entry, move the median
   to 3e-2 and 1.5e-2.
 * Every substituted op runs (no silent fallback): FlashMLA decode with each layer type's extra list, FlashMLA
@@ -81,7 +81,7 @@ def test_decode_path_matches_prefill_path_and_every_substitute_runs(flat_model):
         assert calls.count[op] > 0, op
 
 
-@pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("plant", [_drop_own_window_row, _drop_newest_entry], ids=lambda p: p.__name__)
 def test_planted_decode_list_bugs_break_decode_vs_prefill(flat_model, plant):
     import nvidia_harness as H

@@ -13,7 +13,7 @@ import statistics
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.extended]
 
 LONG = 2100
 MEDIAN_DECODE_PREFILL = 3e-3

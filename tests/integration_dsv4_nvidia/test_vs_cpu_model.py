@@ -13,7 +13,7 @@ import statistics
 import pytest
 
 NEEDS_VLLM_CPU_DSV4_KERNELS = True
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.extended]
 
 
 def test_greedy_equals_vllm_cpu_model(decisive_model):
