@@ -21,7 +21,7 @@ TOL = {"float32": 2e-4, "bfloat16": 2 ** -6}  # x max(1, |top logit|)
 SPEC = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 10, "prompt_lookup_max": 4,
         "budgets": {"64": 10}}  # branches where the prompt's continuations disagree (the greedy suite's
 # "ngram-budget10"); a static budget: the online policy would prune these trees to what pays, not to what tests
-MAX_TREES, MAX_CHAINS = 60, 10  # recorded tree requests checked (branching trees, chains), root + <= 10 nodes
+MAX_TREES, MAX_CHAINS = 32, 4  # recorded tree requests checked (branching trees, chains), root + <= 10 nodes
 
 
 def _recording_sample(store):
