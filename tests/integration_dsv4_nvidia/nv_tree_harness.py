@@ -340,3 +340,41 @@ def snapshot_mismatches(a: dict, b: dict) -> dict[str, float]:
 
     return {k: v for k, v in compare_snapshots(a, b).items()
             if v > (ROW_STEP_TOL if a[k].dtype == torch.uint8 else STATE_REL_TOL)}
+
+
+@dataclass
+class RowError:
+    """One checked row of a recorded tree step against sequential decoding."""
+
+    record: int
+    row: int  # 0 = root, 1 + i = node i
+    depth: int
+    top1: float  # |logprob difference| of the reference's argmax token
+    prob: float  # max |probability difference| over the reference's top-K
+    topk: float  # max |logprob difference| over the reference's top-K (low-probability tokens dominate)
+    argmax_off: bool  # argmax differs from the reference's where its top-2 gap exceeds the tie margin
+    in_tree_entry: dict  # ratio -> whether an ancestor-or-self draft node completes a block of that ratio
+
+
+def row_errors(records: list[TreeRecord], seq: dict, tie: float, ratios=(4, 128)) -> list[RowError]:
+    """Per row of `sequential_logprobs`' reference: the differences a per-node check reads. Rows below a draft
+    node that completes a block read that entry from the tree's scratch (what the entry lists are for)."""
+    import math
+
+    out = []
+    for (ri, row), ref in sorted(seq.items()):
+        rec = records[ri]
+        lp = rec.logprobs[row]
+        top = sorted(ref, key=lambda t: -ref[t])
+        path, j = [], row - 1
+        while j >= 0:
+            path.append(j)
+            j = rec.parents[j]
+        pos = [rec.root_pos + d for d in range(1, len(path) + 1)]  # the path's draft nodes, by depth
+        gap = ref[top[0]] - ref[top[1]] if len(top) > 1 else float("inf")
+        out.append(RowError(
+            ri, row, len(path), abs(float(lp[top[0]]) - ref[top[0]]),
+            max(abs(math.exp(float(lp[t])) - math.exp(ref[t])) for t in top),
+            max(abs(float(lp[t]) - ref[t]) for t in top), int(lp.argmax()) != top[0] and gap > tie,
+            {m: any((p + 1) % m == 0 for p in pos) for m in ratios}))
+    return out

@@ -14,8 +14,9 @@ branch), on prompts whose trees cross C4 blocks, the 128-token window and the C1
   within the emulation's batch-shape rounding, nv_tree_harness.STATE_REL_TOL);
 * the plan ran what it is for: block-completing draft nodes of both ratios, entries of both ratios refreshed.
 
-Slow checks (per-node logits of every node, negative controls, other tree kinds, long context) are in
-test_tree_engine_slow.py.
+The extended checks (marker `extended`) are in test_tree_engine_slow.py: negative controls planted in the
+adapter, every node's row against sequential decoding, n-gram chains and static / dynamic suffix trees. Not run
+by either: tree steps past the indexer's short-context bypass (virtual indexer pages), TP > 1, sampled requests.
 """
 
 import random
