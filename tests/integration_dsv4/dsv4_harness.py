@@ -450,8 +450,9 @@ def snapshot_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bo
 # Recorders (on_llm callbacks for run_dsv4)
 
 
-def record_base_snapshots(store: dict):
-    """on_llm: after every step of an engine without speculation, snapshot each request's caches.
+def record_base_snapshots(store: dict, snapshot=None):
+    """on_llm: after every step of an engine without speculation, snapshot each request's caches
+    (`snapshot(runner, req_index, length)`, default snapshot_request_caches: the CPU path's layout).
 
     Keys (request order index, L): L = tokens whose rows are in the cache (prompt + generated - 1).
     """
@@ -464,7 +465,7 @@ def record_base_snapshots(store: dict):
             out = orig(logits, spec_decode_metadata)
             for i, rid in enumerate(runner.input_batch.req_ids):
                 length = int(runner.input_batch.num_tokens_no_spec[i])
-                store[(int(rid.split("-")[0]), length)] = snapshot_request_caches(runner, i, length)
+                store[(int(rid.split("-")[0]), length)] = (snapshot or snapshot_request_caches)(runner, i, length)
             return out
 
         runner._sample = _sample

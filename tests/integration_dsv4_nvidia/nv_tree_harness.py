@@ -17,11 +17,13 @@
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+import dsv4_harness
 import nvidia_harness as H
+from dsv4_harness import TreeRecord, worker_runner  # noqa: F401  (re-exported to the tests)
 
 
 @dataclass
@@ -31,10 +33,6 @@ class TreeRun:
     adapter_stats: dict
     tree_stats: dict
     adapter: str
-
-
-def worker_runner(llm):
-    return llm.llm_engine.model_executor.driver_worker.worker.model_runner
 
 
 @contextlib.contextmanager
@@ -121,34 +119,9 @@ def snapshot_nv(runner, req_index: int, length: int) -> dict[str, torch.Tensor]:
 
 
 def record_base_snapshots(store: dict):
-    """on_llm: after every step of an engine without speculation, each request's stores, keyed (request
-    index, L) with L the tokens whose rows are in the cache."""
-
-    def on_llm(llm):
-        runner = worker_runner(llm)
-        orig = runner._sample
-
-        def _sample(logits, spec_decode_metadata):
-            out = orig(logits, spec_decode_metadata)
-            for i, rid in enumerate(runner.input_batch.req_ids):
-                length = int(runner.input_batch.num_tokens_no_spec[i])
-                store[(int(rid.split("-")[0]), length)] = snapshot_nv(runner, i, length)
-            return out
-
-        runner._sample = _sample
-
-    return on_llm
-
-
-@dataclass
-class TreeRecord:
-    req: int  # request order index
-    root_pos: int
-    context: list[int]  # tokens 0 .. root (inclusive)
-    parents: list[int]
-    tokens: list[int]
-    logprobs: torch.Tensor  # [1 + n, V] log-softmax of the tree step's rows (row 0 = root)
-    accepted: list[int] = field(default_factory=list)
+    """on_llm: after every step of an engine without speculation, each request's stores (snapshot_nv), keyed
+    (request index, L) with L the tokens whose rows are in the cache (dsv4_harness.record_base_snapshots)."""
+    return dsv4_harness.record_base_snapshots(store, snapshot=snapshot_nv)
 
 
 def record_tree_steps(records: list, snaps: dict | None = None, after_commit=None):
