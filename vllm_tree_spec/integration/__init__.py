@@ -111,7 +111,8 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
         Why: V2 has no hooks for depth positions, tree masks, tree verification or KV compaction.
         What: prepare_attn (after V2's linear positions and slot mappings) builds the step's trees and
               rewrites the draft nodes' positions to root + depth in V2's position buffer; the wrapped
-              model_state.prepare_attn attaches them to the metadata built for that batch only; sample checks
+              model_state.prepare_attn attaches them to the metadata built for that batch only (and lets a
+              model adapter edit it: DeepSeek-V4's NVIDIA adapter, N7, through runner_view.V2RunnerView); sample checks
               that every layer applied the mask, verifies every row with the plugin's sampler (V2's Sampler
               and RejectionSampler are not called) in V2's output contract, and commits the accepted paths'
               KV before V2's postprocess_sampled; add_requests / finish_requests keep the requests' host

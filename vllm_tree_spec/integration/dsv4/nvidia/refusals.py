@@ -1,7 +1,7 @@
 """What DeepSeek-V4 tree speculation on vLLM's NVIDIA path refuses, and why: each message names the fix.
 
 Supported: the FlashMLA sparse backend with the fp8_ds_mla KV cache and the FP8 indexer cache on an SM90
-(Hopper) device, vLLM 0.32's V1 model runner, tensor parallelism, eager or piecewise (breakable) CUDA graphs,
+(Hopper) device, vLLM 0.32's V1 model runner or Model Runner V2 (vLLM 0.34), tensor parallelism, eager or piecewise (breakable) CUDA graphs,
 drafters that read tokens only (suffix, ngram) or their own model (draft_model), prefix caching off. The
 emulated engine (tests/integration_dsv4_nvidia) exercises one rank, eager, with test drafters: tensor
 parallelism and piecewise graphs are allowed because the adapter's state is rank-local and vLLM 0.32's V1 runs
@@ -139,9 +139,6 @@ def check_runtime(vllm_config, model, builders) -> None:
             f"DeepSeek-V4 tree speculation with cudagraph_mode={mode.name}: a full CUDA graph would replay the "
             f"metadata and compressor launches of the captured dummy batch; use PIECEWISE (the default with tree "
             f"speculation) or NONE")
-    if vllm_config.use_v2_model_runner:
-        raise TreeSpecError("DeepSeek-V4 tree speculation is wired into vLLM's V1 model runner; set "
-                            "VLLM_USE_V2_MODEL_RUNNER=0")
     for b in builders:
         if type(b).__name__ == "DeepseekV32IndexerMetadataBuilder" and getattr(b, "supports_varlen", False):
             raise TreeSpecError(
