@@ -208,7 +208,6 @@ def _configs(**parallel):
     (dict(parallel=dict(data_parallel_size=2)), "--data-parallel-size 1"),
     (dict(parallel=dict(enable_batch_sharded_sampling=True)), "--enable-batch-sharded-sampling"),
     (dict(args=dict(watermark_config={"key": 1})), "watermark"),
-    (dict(drafter="mtp"), "unset VLLM_USE_V2_MODEL_RUNNER"),
 ])
 def test_v2_refusals_name_the_fix(what, match):
     from vllm_tree_spec.config import TreeSpecError, parse_tree_config

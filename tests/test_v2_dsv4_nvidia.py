@@ -11,7 +11,8 @@ block) and C128 blocks, on prompts crossing the 128-token window:
   batch-shape floor (and, in the extended set, the stock V2 engine's output identical to the stock V1 engine's);
 * after every refresh, every store of the request equals the stock engine's after decoding the same tokens
   (nv_tree_harness.snapshot_mismatches: fp8 rows within one code step, fp32 state rows within its tolerance);
-* negative control (extended set): without the refresh the store comparison fails.
+* negative control (extended set): without the refresh the store comparison fails;
+* the MTP tree drafter on V2 (extended set): greedy identity and stores, its trees accepted.
 
 What V2 adds over the V1 runs of tests/integration_dsv4_nvidia: the plan built from V2's InputBatch (its
 query start locations and committed lengths), the metadata edits inside V2's `model_state.prepare_attn`,
@@ -45,11 +46,12 @@ def _prompts(seed=3):
     return [[rng.randrange(7, 500) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
-def _run(tmp: Path, model: str, runner: str, plant: str | None = None, stock_only: bool = False) -> dict:
+def _run(tmp: Path, model: str, runner: str, plant: str | None = None, stock_only: bool = False, spec=None,
+         oracle=None) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     req, out = tmp / "request.json", tmp / "result.json"
     req.write_text(json.dumps({"runner": runner, "model": model, "prompts": _prompts(), "max_tokens": MAX_TOKENS,
-                               "spec": SPEC, "plant": plant, "stock_only": stock_only}))
+                               "spec": spec or SPEC, "plant": plant, "stock_only": stock_only, "oracle": oracle}))
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "VLLM_USE_V2_MODEL_RUNNER")}
     proc = subprocess.run([sys.executable, str(CHILD), str(req), str(out)], env=env, capture_output=True,
                           text=True, timeout=1500)
@@ -97,3 +99,18 @@ def test_v2_store_check_rejects_a_missing_refresh(model, tmp_path):
     planted = _run(tmp_path, model, "V2", plant="no-refresh")
     print(f"no refresh: {len(planted['store_mismatches'])} of {planted['stores_compared']} refresh points differ")
     assert planted["store_mismatches"] or planted["tree"]["outputs"] != planted["stock"]["outputs"]
+
+
+@pytest.mark.extended
+def test_v2_mtp_trees_greedy_identical_with_stores_equal(tmp_path_factory):
+    """The MTP tree drafter on V2 (it reads the target's residual rows through V2's `propose` hook), on a
+    checkpoint whose MTP layer predicts the tiny target's bigram vote, so its trees get accepted."""
+    from tiny_dsv4 import DECISIVE_BIGRAM, make_tiny_dsv4
+
+    model = str(make_tiny_dsv4(tmp_path_factory.mktemp("v2_mtp") / "dsv4", bigram=DECISIVE_BIGRAM, mtp_bigram=True))
+    run = _run(tmp_path_factory.mktemp("v2_mtp_run"), model, "V2", oracle=False,
+               spec={"method": "tree", "drafter": "mtp", "tree": "s3_k2_d6"})
+    ts = run["tree_stats"]
+    print(f"V2 MTP: {ts['accepted']} accepted over {ts['rounds']} rounds, {run['stores_compared']} refresh points")
+    assert run["adapter"]["view"] == "V2RunnerView" and run["tree"]["outputs"] == run["stock"]["outputs"]
+    assert ts["accepted"] > ts["rounds"] and run["stores_compared"] > 0 and not run["store_mismatches"]

@@ -169,6 +169,13 @@ COMMON = [
     "vllm.config.compilation.CompilationConfig.static_forward_context",
     "vllm.config.compilation.CompilationConfig.cudagraph_mode",
     "vllm.config.vllm.VllmConfig.compilation_config",
+    # the MTP tree drafter on the NVIDIA layers (integration/dsv4/mhc_ops.py): the model's fused mHC kernels and
+    # the residual rows it stashes for MTP
+    f"{_DSV4}.nvidia.model.mhc_pre_tilelang",
+    f"{_DSV4}.nvidia.model.mhc_post_tilelang",
+    f"{_DSV4}.nvidia.model.hc_head_fused_kernel_tilelang",
+    f"{_DSV4}.nvidia.model.DeepseekV4ForCausalLM.get_mtp_target_hidden_states",
+    f"{_DSV4}.nvidia.model.DeepseekV4Model._mtp_hidden_buffer",
 ]
 
 # vLLM's V1 GPU model runner (vllm/v1/worker/gpu_model_runner.py) and what the V1 adapter hooks around it.

@@ -21,7 +21,8 @@ SMALL = MTPConfig(hidden=32, hc=2, heads=4, head_dim=16, rope_dim=8, o_groups=2,
                   eps=1e-6, hc_eps=1e-6, sinkhorn=5, topk_experts=2, routed_scale=1.5, swiglu_limit=10.0, vocab=40)
 
 
-def small_head(seed: int = 0) -> MTPHead:
+def small_head(seed: int = 0, dtype=torch.float32, **ops) -> MTPHead:
+    """A small random MTP layer; ops: the mHC callables to mix with (default the drafter's PyTorch fallbacks)."""
     c = SMALL
     g = torch.Generator().manual_seed(seed)
 
@@ -49,7 +50,7 @@ def small_head(seed: int = 0) -> MTPHead:
         base = f"ffn.experts.{e}." if e != "s" else "ffn.shared_experts."
         t[base + "w1.weight"], t[base + "w3.weight"] = r(12, c.hidden), r(12, c.hidden)
         t[base + "w2.weight"] = r(c.hidden, 12)
-    return MTPHead(t, c, dtype=torch.float32)
+    return MTPHead(t, c, dtype=dtype, **ops)
 
 
 def _drafter(policy, seed=0):

@@ -141,9 +141,12 @@ def _block_weights(prefix: str, ratio: int, hash_layer: bool, rnd, ones, zeros) 
 
 
 def build_weights(seed: int = 0, *, mtp: bool = True, num_hash_layers: int = 1, head_gain: float = 1.0,
-                  bigram: float = 0.0) -> dict:
+                  bigram: float = 0.0, mtp_bigram: bool = False) -> dict:
     """head_gain scales the output head (a peaked next-token distribution for sampling tests); bigram adds
-    bigram * e_t / |e_t| to the head row of token perm(t) (a fixed random permutation)."""
+    bigram * e_t / |e_t| to the head row of token perm(t) (a fixed random permutation). mtp_bigram: the MTP
+    layer's input projections pass the next token's embedding through (e_proj = I, h_proj = 0), so with the
+    bigram vote the MTP head predicts the target's likely successor (MTP trees get accepted); every other
+    weight is unchanged."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -187,11 +190,15 @@ def build_weights(seed: int = 0, *, mtp: bool = True, num_hash_layers: int = 1, 
             w[m + "hc_head_fn"] = rnd(HC, HC * HIDDEN, std=0.01, dtype=torch.float32)
             w[m + "hc_head_base"] = zeros(HC, dtype=torch.float32)
             w[m + "hc_head_scale"] = ones(1, dtype=torch.float32)
+            if mtp_bigram:
+                w[m + "e_proj.weight"] = torch.eye(HIDDEN, dtype=torch.bfloat16)
+                w[m + "h_proj.weight"] = zeros(HIDDEN, HIDDEN)
     return {k: v.contiguous() for k, v in w.items()}
 
 
 def make_tiny_dsv4(out_dir: str | Path, *, seed: int = 0, mtp: bool = True, tokenizer_dir: str | Path | None = None,
-                   max_position_embeddings: int = 4096, head_gain: float = 1.0, bigram: float = 0.0) -> Path:
+                   max_position_embeddings: int = 4096, head_gain: float = 1.0, bigram: float = 0.0,
+                   mtp_bigram: bool = False) -> Path:
     """Write config.json, model.safetensors and a vocab-512 tokenizer into out_dir."""
     import shutil
 
@@ -204,7 +211,8 @@ def make_tiny_dsv4(out_dir: str | Path, *, seed: int = 0, mtp: bool = True, toke
     out.mkdir(parents=True, exist_ok=True)
     cfg = config_dict(mtp=mtp, max_position_embeddings=max_position_embeddings)
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    save_file(build_weights(seed, mtp=mtp, head_gain=head_gain, bigram=bigram), str(out / "model.safetensors"),
+    save_file(build_weights(seed, mtp=mtp, head_gain=head_gain, bigram=bigram, mtp_bigram=mtp_bigram),
+              str(out / "model.safetensors"),
               metadata={"format": "pt"})
     if tokenizer_dir is None:
         make_tokenizer(out, VOCAB)

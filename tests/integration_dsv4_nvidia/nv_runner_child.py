@@ -3,13 +3,14 @@ without tree speculation, and what a test compares (tests/test_v2_dsv4_nvidia.py
 
     python nv_runner_child.py REQUEST.json OUT.json
 
-REQUEST: {"runner": "V1" | "V2", "model", "prompts", "max_tokens", "spec", "oracle": {"seed", "p_full"},
-"plant": null | "no-refresh" | "no-isolation", "stock_only": bool}. Model Runner V2 needs Triton's interpreter with the test-only V2
-shims (tests/fixtures/v2_cpu.py) before vLLM is imported, and the NVIDIA emulation rebinds vLLM process-wide:
-hence a child. It runs the stock engine (recording each request's stores after every step), then the tree
-engine with the oracle drafter hiding that engine's greedy continuation in random trees (recording the stores
-after every refresh), and writes both outputs, the stores that differ (nv_tree_harness.snapshot_mismatches), and
-the adapter's and the runner's counters.
+REQUEST: {"runner": "V1" | "V2", "model", "prompts", "max_tokens", "spec", "oracle": {"seed", "p_full"} or false
+(the configured drafter instead), "plant": null | "no-refresh" | "no-isolation", "stock_only": bool}. Model
+Runner V2 needs Triton's interpreter with the test-only V2 shims (tests/fixtures/v2_cpu.py) before vLLM is
+imported, and the NVIDIA emulation rebinds vLLM process-wide: hence a child. It runs the stock engine (recording
+each request's stores after every step), then the tree engine, by default with the oracle drafter hiding that
+engine's greedy continuation in random trees (recording the stores after every refresh), and writes both
+outputs, the stores that differ (nv_tree_harness.snapshot_mismatches), and the adapter's and the runner's
+counters.
 """
 
 from __future__ import annotations
@@ -128,10 +129,11 @@ def main() -> int:
                                    "stock": {"outputs": stock.outputs, "logprobs": stock.logprobs}}))
         return 0
     truth = {tuple(p): o for p, o in zip(prompts, stock.outputs)}
-    oracle = request.get("oracle", {})
+    oracle = request.get("oracle") or {}
     tree_snaps: dict = {}
-    with T.drafter(lambda cfg: OracleTreeDrafter(truth, "random", seed=oracle.get("seed", 11),
-                                                  p_full=oracle.get("p_full", 0.7))), \
+    factory = None if request.get("oracle") is False else (  # False: the configured drafter itself
+        lambda cfg: OracleTreeDrafter(truth, "random", seed=oracle.get("seed", 11), p_full=oracle.get("p_full", 0.7)))
+    with T.drafter(factory), \
             H.nvidia_engine(model, speculative_config=request["spec"]) as llm:
         _record_refreshes(llm, tree_snaps, request.get("plant"))
         tree = H.generate(llm, prompts, params)

@@ -103,8 +103,8 @@ REFUSED = [
      "cudagraph_mode=FULL_DECODE_ONLY", "Use PIECEWISE"),
     ("prefix-caching", SM90, "suffix", {"enable_prefix_caching": True}, "enable_prefix_caching",
      "--no-enable-prefix-caching"),
-    ("mtp-drafter", SM90, "mtp", {}, "drafter 'mtp'", "Use drafter 'suffix', 'ngram' or 'draft_model'"),
-    ("eagle3-drafter", SM90, "eagle3", {}, "drafter 'eagle3'", "Use drafter 'suffix', 'ngram' or 'draft_model'"),
+    ("eagle3-drafter", SM90, "eagle3", {}, "drafter 'eagle3'", "Use drafter 'mtp'"),
+    ("eagle-drafter", SM90, "eagle", {}, "drafter 'eagle'", "Use drafter 'mtp'"),
 ]
 
 
@@ -132,8 +132,9 @@ def test_check_engine_refuses_naming_field_and_fix(model_config, capability, dra
     (SM90, "suffix", {"kv_cache_dtype": "fp8", "compilation_config": {"cudagraph_mode": "NONE"}}),
     (SM90, "suffix", {"kv_cache_dtype": "fp8_ds_mla", "tensor_parallel_size": 1, "enforce_eager": True}),
     (None, "suffix", {}),  # capability unreadable at start-up: check_runtime checks the built model
+    (SM90, "mtp", {}),
 ], ids=["tp8-piecewise-suffix", "flashmla-named-ngram", "flashmla-sparse-fp8-indexer-draft-model",
-        "fp8-no-graphs", "fp8-ds-mla-tp1-eager", "capability-unknown"])
+        "fp8-no-graphs", "fp8-ds-mla-tp1-eager", "capability-unknown", "tp8-mtp"])
 def test_check_engine_passes_the_supported_configuration(model_config, capability, drafter, overrides):
     """The controls: the refusals above must not be refusing everything."""
     check(model_config, capability, drafter, **overrides)
@@ -198,8 +199,8 @@ def test_config_route_on_cuda_starts_the_supported_configuration(model_config, c
     (SM100, {}, "suffix", "SM100"),
     (SM90, {"attention_config": {"indexer_kv_dtype": "mxfp4"}}, "suffix", "indexer_kv_dtype='mxfp4'"),
     (SM90, {"enable_expert_parallel": True}, "suffix", "--enable-expert-parallel"),
-    (SM90, {}, "mtp", "drafter 'mtp'"),
-], ids=["sm100", "mxfp4-indexer", "expert-parallel", "mtp"])
+    (SM90, {"enable_prefix_caching": True}, "suffix", "--no-enable-prefix-caching"),
+], ids=["sm100", "mxfp4-indexer", "expert-parallel", "prefix-caching"])
 def test_config_route_on_cuda_refuses_through_check_engine(model_config, cuda, route_log, capability, overrides,
                                                            drafter, expected):
     from vllm.platforms.interface import DeviceCapability

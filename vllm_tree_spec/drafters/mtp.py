@@ -26,8 +26,9 @@ committed state and nothing needs rolling back.
 
 vLLM's own MTP path raises NotImplementedError on CPU (`cpu/mtp.py`); this
 drafter drives the same module's weights directly in PyTorch and reuses the
-target's mHC ops (`MHCPreOp`, `MHCPostOp`, `HCHeadOp`), so mixing follows
-vLLM's kernels on every platform. Differences to vLLM's MTP kernels, all
+target's mHC ops (vLLM's CPU layers: `MHCPreOp`, `MHCPostOp`, `HCHeadOp`; its
+NVIDIA layers: the fused mHC kernels; integration/dsv4/mhc_ops.py), so mixing
+follows vLLM's kernels on every platform. Differences to vLLM's MTP kernels, all
 harmless for a drafter (verification is exact whatever the drafts): the
 window KV is kept in float instead of vLLM's fp8 cache, and the MoE runs as
 plain per-expert matmuls. Weights: bf16/fp32, or FP8 with 128x128 block
@@ -422,11 +423,11 @@ class MTPTreeDrafter(TreeDrafter):
         tensors.setdefault("head.weight", raw["head.weight"])
         ops = {}
         if target_model is not None:
+            from vllm_tree_spec.integration.dsv4.mhc_ops import target_mhc_ops
+
             inner = getattr(target_model, "model", None)
-            layers = getattr(inner, "layers", None)
-            if layers is not None and len(layers):
-                first = layers[getattr(inner, "start_layer", 0)]
-                ops = dict(mhc_pre=first.mhc_pre, mhc_post=first.mhc_post, hc_head=inner.hc_head_op)
+            ops = target_mhc_ops(target_model)
+            if ops:
                 if getattr(inner, "_mtp_hidden_buffer", None) is None:
                     # the target stashes its pre-hc_head residual here every forward (only allocated by vLLM
                     # for its own EAGLE/MTP methods)

@@ -204,7 +204,17 @@ DSV4_ATTRIBUTES: dict[str, tuple[str, ...]] = {
 }
 DSV4_CALLS: dict[str, dict[str, tuple[str, ...]]] = {  # functions called as they are, with these parameters
     "cpu": {},
-    "cuda": {f"{_MLA}.indexer.get_paged_mqa_logits_metadata": ("context_lens", "block_size", "num_sms", "indices")},
+    "cuda": {
+        f"{_MLA}.indexer.get_paged_mqa_logits_metadata": ("context_lens", "block_size", "num_sms", "indices"),
+        # N8 (dsv4/mhc_ops.py): the MTP tree drafter calls the NVIDIA model's fused mHC kernels positionally
+        f"{_DSV4}.nvidia.model.mhc_pre_tilelang": (
+            "residual", "fn", "hc_scale", "hc_base", "rms_eps", "hc_pre_eps", "hc_sinkhorn_eps", "hc_post_mult_value",
+            "sinkhorn_repeat", "n_splits", "norm_weight", "norm_eps"),
+        f"{_DSV4}.nvidia.model.mhc_post_tilelang": ("x", "residual", "post_layer_mix", "comb_res_mix"),
+        f"{_DSV4}.nvidia.model.hc_head_fused_kernel_tilelang": ("hs_flat", "fn", "hc_scale", "hc_base", "rms_eps",
+                                                                "hc_eps"),
+        f"{_DSV4}.nvidia.model.DeepseekV4ForCausalLM.get_mtp_target_hidden_states": ("self",),
+    },
 }
 # instance attributes read or written (checked against the table only: no instance exists at start-up)
 DSV4_STATE: dict[str, tuple[str, ...]] = {
@@ -218,6 +228,7 @@ DSV4_STATE: dict[str, tuple[str, ...]] = {
                                                                   "prefix")),
         *(f"{_DSV4}.compressor.CompressorStateCache.{a}" for a in ("kv_cache", "prefix", "sliding_window")),
         f"{_MLA}.sparse_swa.DeepseekV4SWACache.kv_cache",
+        f"{_DSV4}.nvidia.model.DeepseekV4Model._mtp_hidden_buffer",  # N8: the MTP drafter's target rows
         # N6: the indexer builders' flattened decode path; the schedule's inputs; the SM100 refusal
         *(f"{_MLA}.indexer.DeepseekV32IndexerMetadataBuilder.{a}" for a in (
             "use_flattening", "kv_cache_spec", "num_sms", "supports_varlen")),

@@ -35,6 +35,12 @@ DeepSeek-V4 model (selected by `is_nvidia_model` in integration/adapters.py):
         `c128a_global_decode_topk_indices` / lens, the indexer's decode `seq_lens`, page-table rows and
         DeepGEMM schedule.  Why: vLLM derives them from query order or positions through the block table.
         Removal: tree-aware metadata builders.
+    N8  the MTP tree drafter mixes with the NVIDIA model's fused mHC kernels (`mhc_pre_tilelang`,
+        `mhc_post_tilelang`, `hc_head_fused_kernel_tilelang`, read from `vllm.models.deepseek_v4.nvidia.model`
+        where the model reads them; integration/dsv4/mhc_ops.py) and reads the residual rows the model stashes
+        for MTP (`_mtp_hidden_buffer`, allocated by the drafter when vLLM did not).  Why: the drafter is the
+        plugin's PyTorch MTP layer, vLLM's MTP module drafts chains.  Nothing is patched.
+        Removal: an mHC op interface for drafters in vLLM.
 """
 
 

@@ -1,13 +1,13 @@
 """What DeepSeek-V4 tree speculation on vLLM's NVIDIA path refuses, and why: each message names the fix.
 
 Supported: the FlashMLA sparse backend with the fp8_ds_mla KV cache and the FP8 indexer cache on an SM90
-(Hopper) device, vLLM 0.32's V1 model runner or Model Runner V2 (vLLM 0.34), tensor parallelism, eager or piecewise (breakable) CUDA graphs,
-drafters that read tokens only (suffix, ngram) or their own model (draft_model), prefix caching off. The
-emulated engine (tests/integration_dsv4_nvidia) exercises one rank, eager, with test drafters: tensor
-parallelism and piecewise graphs are allowed because the adapter's state is rank-local and vLLM 0.32's V1 runs
-the whole DeepSeek-V4 attention region (compressors, indexer, attention) eagerly between graph pieces, not
-because they were run. Everything below is refused, either because the tree path does not cover it or
-because nothing here has verified it.
+(Hopper) device, vLLM 0.32's V1 model runner or Model Runner V2 (vLLM 0.34), tensor parallelism, eager or
+piecewise (breakable) CUDA graphs, the drafters that read tokens only (suffix, ngram), their own model
+(draft_model) or the checkpoint's MTP layer (mtp), prefix caching off. The emulated engine
+(tests/integration_dsv4_nvidia, tests/test_v2_dsv4_nvidia.py) runs eagerly: piecewise graphs are allowed
+because vLLM runs the whole DeepSeek-V4 attention region (compressors, indexer, attention) eagerly between graph
+pieces, not because a graph was captured. Everything below is refused, either because the tree path does not
+cover it or because nothing here has verified it.
 
 `check_engine` runs at start-up from the engine arguments (engine_config.py, on CUDA); `check_runtime` runs once
 the model exists (what only the built model shows: the attention class, the indexer cache dtype, the indexer
@@ -24,8 +24,8 @@ SUPPORTED_CAPABILITY_MAJOR = 9  # SM90: FlashMLA sparse decode + DeepGEMM's flat
 FLASHMLA_BACKENDS = ("FLASHMLA_SPARSE", "FLASHMLA_SPARSE_DSV4")
 INDEXER_KV_DTYPES = ("auto", "fp8")  # auto = FP8 for the DeepSeek sparse indexer (dsa_indexer_uses_fp4)
 FULL_CUDAGRAPH_MODES = ("FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE")
-# drafters that read the target's hidden states through hooks written for vLLM's CPU DeepSeek-V4 layers
-TARGET_READING_DRAFTERS = ("mtp", "eagle", "eagle3")
+# EAGLE heads read the target's aux hidden states through hooks written for vLLM's standard decoder layers
+TARGET_READING_DRAFTERS = ("eagle", "eagle3")
 
 
 def _get(obj, name, default=None):
@@ -109,10 +109,10 @@ def check_engine(model_config, parallel_config, engine_args=None, *, capability=
             f"--no-enable-prefix-caching")
     if drafter in TARGET_READING_DRAFTERS:
         raise TreeSpecError(
-            f"{arch} tree speculation on NVIDIA GPUs: drafter {drafter!r} reads the target's hidden states and "
-            f"(mtp) reuses its mHC op instances, which vLLM's NVIDIA DeepSeek-V4 layers do not have (they run "
-            f"fused TileLang mHC kernels); it was never run on this path. Use drafter 'suffix', 'ngram' or "
-            f"'draft_model', or vLLM's linear MTP (--speculative-config '{{\"method\": \"mtp\", ...}}')")
+            f"{arch} tree speculation on NVIDIA GPUs: drafter {drafter!r} reads the target's auxiliary hidden "
+            f"states through hooks written for vLLM's standard decoder layers, which DeepSeek-V4's layers are not "
+            f"(and there are no EAGLE heads for it). Use drafter 'mtp' (the checkpoint's MTP layer), 'suffix', "
+            f"'ngram' or 'draft_model'")
 
 
 def check_runtime(vllm_config, model, builders) -> None:
