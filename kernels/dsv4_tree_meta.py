@@ -1,4 +1,4 @@
-"""Triton kernels for DeepSeek-V4 tree metadata and the accepted-path commit (`@triton.jit` code only).
+"""Triton kernels for DeepSeek-V4 tree metadata: per-row index lists (`@triton.jit` code only).
 
 Typed launchers are in `vllm_tree_spec.kernels.dsv4_tree_meta_launch`; every
 list is defined precisely, beside its PyTorch twin, in
@@ -219,55 +219,3 @@ def tree_topk_slots_kernel(
         tl.store(out_ptr + r * stride_out + j, slot.to(out_ptr.dtype.element_ty), mask=jm)
         count += tl.sum((slot >= 0).to(tl.int32), axis=0)
     tl.store(lens_ptr + r, count)
-
-
-@triton.jit(do_not_specialize=["ratio", "block_size", "page_size", "stride_bt", "stride_block", "stride_slot",
-                               "stride_acc"])  # fmt: skip
-def tree_commit_rows_kernel(
-    cache_ptr,  # layer 0's cache as raw integers; element type of every layer (USE_LAYER_TABLE)
-    layer_ptrs_ptr,  # [L] int64 base addresses of the layers' caches (USE_LAYER_TABLE)
-    src_slots_ptr,  # [R] where each row's data sits (per-token rows: row slots; entries: write slots, -1 = none)
-    block_table_ptr,  # [B, max_blocks] destination slots: slot(w) = bt[b, w // bs] * bs + w % bs
-    start_ptr,  # [B] P
-    cu_num_rows_ptr,  # [B + 1] row offsets (root first)
-    accepted_nodes_ptr,  # [B, D] local node indices of the accepted path (verify output)
-    num_accepted_ptr,  # [B] a
-    ratio,  # 1: per-token rows (w = p); m: entries (row at p commits w = (p + 1) / m - 1 iff (p + 1) % m == 0)
-    block_size,  # block-table granularity (tokens or entries per block)
-    page_size,  # slots per page of the cache view (1 for a flat [num_slots, row] view)
-    stride_bt,
-    stride_block,  # cache elements between pages
-    stride_slot,  # cache elements between slots of one page
-    stride_acc,
-    ROW: tl.constexpr,  # elements per slot row (integer view)
-    BLOCK: tl.constexpr,
-    USE_LAYER_TABLE: tl.constexpr,
-):
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    col_mask = cols < ROW
-    if USE_LAYER_TABLE:
-        layer = tl.program_id(2).to(tl.int64)
-        base = tl.load(layer_ptrs_ptr + layer).to(tl.pointer_type(cache_ptr.dtype.element_ty))
-    else:
-        base = cache_ptr
-    row0 = tl.load(cu_num_rows_ptr + b).to(tl.int64)
-    P = tl.load(start_ptr + b).to(tl.int64)
-    n_acc = tl.load(num_accepted_ptr + b).to(tl.int64)
-    # k = 0 is the root (position P), k >= 1 the k-th accepted node (position P + k); in order, in place
-    for k in range(0, n_acc + 1):
-        node = tl.load(accepted_nodes_ptr + b * stride_acc + k - 1, mask=k > 0, other=-1).to(tl.int64)
-        local = node + 1  # the root row for k = 0
-        p = P + k
-        if ((p + 1) % ratio) == 0:
-            src = tl.load(src_slots_ptr + row0 + local).to(tl.int64)
-            w = (p + 1) // ratio - 1
-            dst = tl.load(block_table_ptr + b * stride_bt + w // block_size).to(tl.int64) * block_size \
-                + w % block_size
-            if (src >= 0) & (src != dst):
-                src_ptr = base + (src // page_size) * stride_block + (src % page_size) * stride_slot
-                dst_ptr = base + (dst // page_size) * stride_block + (dst % page_size) * stride_slot
-                vals = tl.load(src_ptr + cols, mask=col_mask)
-                tl.store(dst_ptr + cols, vals, mask=col_mask)
-        # step k's reads and writes complete before step k + 1 (in vLLM's layout its destination may be read here)
-        tl.debug_barrier()

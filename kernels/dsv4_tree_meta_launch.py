@@ -1,7 +1,7 @@
-"""DeepSeek-V4 tree metadata (per-row index lists) and accepted-path commit: the Triton launchers.
+"""DeepSeek-V4 tree metadata (per-row index lists): the Triton launchers.
 
-Kernels in `dsv4_tree_meta.py`; what they compute (rows, slot spaces, the window, entry, top-k and
-commit lists) is stated in `dsv4_tree_meta_reference.py`, beside the PyTorch twin of each kernel.
+Kernels in `dsv4_tree_meta.py`; what they compute (rows, slot spaces, the window, entry and top-k
+lists) is stated in `dsv4_tree_meta_reference.py`, beside the PyTorch twin of each kernel.
 Each launcher checks its arguments (device, index dtypes, contiguity, widths) with errors that name
 the fix, sizes the tiles and launches once, with no host synchronisation. Triton is imported lazily
 inside the `*_triton` launchers. The rows and the twins are re-exported here, so one import serves
@@ -11,8 +11,6 @@ a caller that launches a kernel and checks it against its twin.
 from __future__ import annotations
 
 import os
-from typing import Sequence
-
 import torch
 
 from .dsv4_tree_meta_reference import (
@@ -20,9 +18,7 @@ from .dsv4_tree_meta_reference import (
     Align,
     DSV4TreeRows,
     TreeEntrySlots,
-    commit_pairs,
     tail_width_for,
-    tree_commit_rows_reference,
     tree_entry_slots_reference,
     tree_topk_slots_reference,
     tree_window_slots_reference,
@@ -239,95 +235,11 @@ def tree_topk_slots_triton(
     return slots, lens
 
 
-def tree_commit_rows_triton(
-    caches: torch.Tensor | Sequence[torch.Tensor],  # each [num_slots, ...] or, paged, [num_pages, page, ...]
-    rows: DSV4TreeRows,
-    src_slots: torch.Tensor,  # [R] int32/int64 (-1 = row has nothing to commit)
-    block_table: torch.Tensor,  # [B, max_blocks] destination block table
-    block_size: int,
-    accepted_nodes: torch.Tensor,  # [B, D] int32/int64 local node indices, increasing along the path
-    num_accepted: torch.Tensor,  # [B]
-    *,
-    ratio: int = 1,
-    paged: bool = False,
-    layer_table: torch.Tensor | None = None,  # [L] int64 data_ptr of each cache (reuse across steps)
-    block: int | None = None,
-) -> None:
-    """Commit the accepted paths (`dsv4_tree_meta_reference`, "commit") in every layer of one layout, in place.
-
-    For request b, k = 0..num_accepted[b] (row 0 = root, then row accepted_nodes[b, k-1] + 1),
-    p = start[b] + k: if (p + 1) % ratio == 0 and src = src_slots[row] != -1,
-    copy the row at slot src to the slot of w = (p + 1) // ratio - 1 through
-    `block_table` (w = p for ratio 1), skipping src == dst. Steps run in order
-    with a barrier in between, so the in-place compaction of vLLM's linear tree
-    rows is safe (a later source row n_j + 1 >= j is never an earlier
-    destination). Rows are copied as raw bits (any dtype). `paged`: the caches
-    are [num_pages, page, row...] views (block and slot strides free, the row
-    contiguous), e.g. the data or the scale part of vLLM's fp8_ds_mla pages.
-    """
-    from .dsv4_tree_meta import tree_commit_rows_kernel
-    from .kv_commit_launch import _row_view
-
-    caches = [caches] if isinstance(caches, torch.Tensor) else list(caches)
-    if not caches:
-        return
-    device = caches[0].device
-    _check_device(device, "tree commit")
-    _check_rows(rows, device)
-    _check_index("src_slots", src_slots, 1, device)
-    _check_index("block_table", block_table, 2, device)
-    _check_index("num_accepted", num_accepted, 1, device)
-    if accepted_nodes.dtype not in _INDEX_DTYPES or accepted_nodes.dim() != 2 or accepted_nodes.device != device:
-        raise TypeError(f"accepted_nodes must be a 2-D int32/int64 tensor on {device}")
-    if accepted_nodes.shape[0] != rows.batch_size or num_accepted.shape[0] != rows.batch_size:
-        raise ValueError(f"accepted_nodes [B, D] and num_accepted [B] need B = {rows.batch_size}")
-    if accepted_nodes.shape[1] == 0:  # only the root commits; the kernel needs an addressable row
-        accepted_nodes = torch.full((rows.batch_size, 1), -1, dtype=accepted_nodes.dtype, device=device)
-    keep = 2 if paged else 1
-    views = []
-    for c in caches:
-        if c.dim() < keep:
-            raise ValueError(f"a {'paged ' if paged else ''}cache needs at least {keep} leading dims")
-        v, _ = _row_view(c if c.dim() > keep else c.unsqueeze(-1), keep)
-        if v.device != device:
-            raise ValueError(f"cache on {v.device}; expected {device}")
-        views.append(v)
-    first = views[0]
-    for v in views[1:]:
-        if v.shape != first.shape or v.stride() != first.stride() or v.dtype != first.dtype:
-            raise ValueError("all layers of one launch must share shape, strides and dtype; group them")
-    if rows.batch_size == 0:
-        return
-    import triton
-
-    row = first.shape[-1]
-    block = min(triton.next_power_of_2(row), 1024) if block is None else block
-    use_table = len(views) > 1
-    if use_table and layer_table is None:
-        layer_table = torch.tensor([v.data_ptr() for v in views], dtype=torch.int64, device=device)
-    table_arg = layer_table if use_table else torch.zeros(1, dtype=torch.int64, device=device)
-    page = first.shape[1] if paged else 1
-    stride_block = first.stride(0)
-    stride_slot = first.stride(1) if paged else 0
-    grid = (rows.batch_size, triton.cdiv(row, block), len(views) if use_table else 1)
-    tree_commit_rows_kernel[grid](
-        first, table_arg, src_slots, block_table, rows.start, rows.cu_num_rows, accepted_nodes, num_accepted,
-        ratio, block_size, page, block_table.stride(0), stride_block, stride_slot, accepted_nodes.stride(0),
-        ROW=row,
-        BLOCK=block,
-        USE_LAYER_TABLE=use_table,
-        num_warps=max(1, min(8, block // 256)),
-    )  # fmt: skip
-
-
 __all__ = [
     "PAD_SLOT",
     "DSV4TreeRows",
     "TreeEntrySlots",
-    "commit_pairs",
     "tail_width_for",
-    "tree_commit_rows_reference",
-    "tree_commit_rows_triton",
     "tree_entry_slots_reference",
     "tree_entry_slots_triton",
     "tree_topk_slots_reference",

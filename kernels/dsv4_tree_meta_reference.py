@@ -1,7 +1,7 @@
-"""DeepSeek-V4 tree metadata (per-row index lists) and accepted-path commit: the semantics and PyTorch twins.
+"""DeepSeek-V4 tree metadata (per-row index lists): the semantics and PyTorch twins.
 
 This module defines what the Triton kernels compute: the per-row tree arrays (`DSV4TreeRows`), the
-slot lists below, and a PyTorch twin (`*_reference`, `commit_pairs`) of every kernel. The kernels
+slot lists below, and a PyTorch twin (`*_reference`) of every kernel. The kernels
 are in `dsv4_tree_meta.py`, their launchers in `dsv4_tree_meta_launch.py`; nothing here imports
 Triton. The semantics are the reference model's `tree` policy
 (`vllm_tree_spec/reference/dsv4_plan.py::build_plan`); the tests check the twins
@@ -71,13 +71,8 @@ top-k (`tree_topk_slots_*`): CSA indexer local ids [R, K] (-1 padded) -> global 
     [R, K] + lens [R] (count of selected ids), w < c through the block table, else tail[r, w - c].
     The tree-aware replacement of vLLM's `compute_global_topk_indices_and_lens`.
 
-commit (`tree_commit_rows_*`): after verification accepted n_1 < ... < n_a, for k = 0..a
-    (k = 0 the root, k >= 1 node n_k; position p = P + k), rows whose position completes a
-    block (ratio 1: every row) copy src_slots[their row] -> the slot of w = (p + 1) / m - 1
-    (w = p for ratio 1) through the destination block table, skipping -1 sources and
-    in-place rows. Raw bits, any dtype, every layer of one layout in one launch.
-    Per-token rows (SWA KV, compressor state rows): ratio 1, src = row_slots.
-    Entries / indexer keys: ratio m, src = the entry list's `write`.
+The accepted-path commit on vLLM's layout is the refresh of `dsv4_refresh_launch.py` (slot-row copies
+from per-row source / destination tables the NVIDIA adapter builds).
 """
 
 from __future__ import annotations
@@ -289,57 +284,3 @@ def tree_topk_slots_reference(
     slot_t = entries.tail.long().gather(1, i.clamp(0, entries.tail.shape[1] - 1))
     out = torch.where(committed, slot_c, torch.where(on_path, slot_t, torch.full_like(w, PAD_SLOT)))
     return out.to(topk.dtype), (out >= 0).sum(1).to(torch.int32)
-
-
-def commit_pairs(
-    rows: DSV4TreeRows,
-    src_slots: torch.Tensor,  # [R]
-    block_table: torch.Tensor,  # [B, max_blocks] destination
-    block_size: int,
-    accepted_nodes: torch.Tensor,  # [B, D]
-    num_accepted: torch.Tensor,  # [B]
-    ratio: int = 1,
-) -> tuple[list[int], list[int]]:
-    """(src, dst) slot pairs of a commit, in commit order (host loop; the semantics)."""
-    src_l, cu, P = src_slots.tolist(), rows.cu_num_rows.tolist(), rows.start.tolist()
-    bt = block_table.tolist()
-    src, dst = [], []
-    for b in range(rows.batch_size):
-        path = [0] + [n + 1 for n in accepted_nodes[b, : int(num_accepted[b])].tolist()]
-        for k, local in enumerate(path):
-            p = P[b] + k
-            if (p + 1) % ratio:
-                continue
-            s = src_l[cu[b] + local]
-            w = (p + 1) // ratio - 1
-            d = bt[b][w // block_size] * block_size + w % block_size
-            if s != PAD_SLOT and s != d:
-                src.append(s)
-                dst.append(d)
-    return src, dst
-
-
-def _slot_rows(cache: torch.Tensor, slots: torch.Tensor, paged: bool):
-    return (slots // cache.shape[1], slots % cache.shape[1]) if paged else (slots,)
-
-
-def tree_commit_rows_reference(
-    caches: torch.Tensor | Sequence[torch.Tensor],  # each [num_slots, ...] or, paged, [num_pages, page, ...]
-    rows: DSV4TreeRows,
-    src_slots: torch.Tensor,
-    block_table: torch.Tensor,
-    block_size: int,
-    accepted_nodes: torch.Tensor,
-    num_accepted: torch.Tensor,
-    *,
-    ratio: int = 1,
-    paged: bool = False,
-) -> int:
-    """In place: every source is read before any destination is written. Returns the pairs copied."""
-    src, dst = commit_pairs(rows, src_slots, block_table, block_size, accepted_nodes, num_accepted, ratio)
-    if src:
-        for cache in [caches] if isinstance(caches, torch.Tensor) else caches:
-            s = torch.tensor(src, dtype=torch.long, device=cache.device)
-            d = torch.tensor(dst, dtype=torch.long, device=cache.device)
-            cache[_slot_rows(cache, d, paged)] = cache[_slot_rows(cache, s, paged)].clone()
-    return len(src)

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,8 +31,78 @@ def test_run_all_quick(tmp_path, monkeypatch):
     tree_rows = [r for r in report["results"] if r["provider"] == "tree_triton"]
     assert tree_rows and all(r["ms"] and r["ms"] > 0 for r in tree_rows)
     assert "Tree attention benchmark" in (tmp_path / "summary.md").read_text()
-    sys.modules.pop("run_all", None)
-    sys.modules.pop("bench_tree_attention", None)
+    # DeepSeek-V4: stage 1 (every list, per-layer copy and the refresh vs their twins) passed, stage 2 timed the
+    # serving path's launches with no device-to-host sync
+    dsv4 = json.loads((tmp_path / "bench_dsv4_tree.json").read_text())
+    checks = dsv4["correctness"]
+    assert checks and all(c["ok"] for c in checks), [c for c in checks if not c["ok"]]
+    for kind in ("window list", "C128 entry list", "C4 path entries", "top-k slots", "compressor window sources",
+                 "N3 window copy", "N4 virtual pages", "refresh"):
+        assert any(kind in c["check"] for c in checks), kind
+    (row,) = dsv4["results"]
+    assert row["total_ms"] > 0 and row["emitters"] == {"4": 2, "128": 2} and row["virtual_pages"] > 0
+    launches = row["launches"]
+    assert launches["refresh"]["triton"] == 1
+    assert launches["layers"]["triton_by_launcher"]["tree_topk_slots_triton"] == 1  # one CSA layer
+    assert all(launches[k]["syncs"] == 0 for k in ("plan", "layers", "refresh"))
+    for name in ("run_all", "bench_tree_attention", "bench_verify_commit", "bench_dsv4_tree"):
+        sys.modules.pop(name, None)
+
+
+@runs_kernels
+def test_dsv4_bench_gate_fails_on_planted_wrong_results(monkeypatch):
+    """Negative control of the DeepSeek-V4 benchmark's stage 1: an off-by-one in the SWA window list, a wrong
+    top-k slot and a dropped refresh are each caught, and nothing else is flagged."""
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    import bench_dsv4_tree as bench
+
+    from vllm_tree_spec.tree_attention import load_kernels_package
+
+    load_kernels_package()
+    from vllm_tree_spec.kernels import dsv4_refresh_launch, dsv4_tree_meta_launch
+
+    window, topk = dsv4_tree_meta_launch.tree_window_slots_triton, dsv4_tree_meta_launch.tree_topk_slots_triton
+
+    def bad_window(*a, **kw):
+        slots, lens = window(*a, **kw)
+        if kw.get("align", "left") == "left":
+            slots[-1, 0] += 1
+        return slots, lens
+
+    def bad_topk(*a, **kw):
+        slots, lens = topk(*a, **kw)
+        slots[-1, 0] += 1
+        return slots, lens
+
+    monkeypatch.setattr(dsv4_tree_meta_launch, "tree_window_slots_triton", bad_window)
+    monkeypatch.setattr(dsv4_tree_meta_launch, "tree_topk_slots_triton", bad_topk)
+    monkeypatch.setattr(dsv4_refresh_launch, "refresh_triton", lambda *a, **kw: None)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    checks = bench.correctness(bench.QUICK_SHAPE, device, 2, "s3_k2_d6", 256)
+    failed = {c["check"] for c in checks if not c["ok"]}
+    assert failed == {"SWA group 0 window list", "SWA group 1 window list", "CSA layer 0 top-k slots",
+                      "refresh (accepted paths, all spaces) vs refresh_reference"}, failed
+    sys.modules.pop("bench_dsv4_tree", None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="no CUDA device and TRITON_INTERPRET is not 1")
+def test_dsv4_bench_refresh_plan_is_the_adapters(monkeypatch):
+    """The benchmark's refresh copy plan (it cannot import the adapter module on a GPU machine without vLLM's
+    dependencies) equals `DeepseekV4NvidiaTreeAdapter._build_refresh_plan` on the same caches."""
+    adapter = pytest.importorskip("vllm_tree_spec.integration.dsv4.nvidia.adapter")
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    import bench_dsv4_tree as bench
+
+    from vllm_tree_spec.tree_attention import load_kernels_package
+
+    load_kernels_package()
+    case = bench.make_case(bench.QUICK_SHAPE, 2, "s3_k2_d6", 256, torch.device("cpu"))
+    want = adapter.DeepseekV4NvidiaTreeAdapter._build_refresh_plan(SimpleNamespace(caches=case.caches))
+    assert torch.equal(case.refresh.desc, want.desc) and torch.equal(case.refresh.items, want.items)
+    # planes: 3 SWA caches x 2, 3 state caches, C4 entries x 2 + keys x 2, C128 entries x 2
+    assert case.refresh.block == want.block and case.refresh.desc.shape[0] == 6 + 3 + 4 + 2
+    sys.modules.pop("bench_dsv4_tree", None)
 
 
 @runs_kernels

@@ -1,11 +1,11 @@
-"""DeepSeek-V4 tree index lists and commit: twins vs the reference model, kernels vs twins (exact).
+"""DeepSeek-V4 tree index lists: twins vs the reference model, kernels vs twins (exact).
 
 Three layers of checks:
   1. the PyTorch twins (`dsv4_tree_meta_reference.*_reference`) produce exactly the
      reference model's tree plan (`reference/dsv4_plan.py::build_plan`, policy
      "tree"): window, pooling gathers, entry write slots and visible entries,
-     in the reference's virtual slot space; and the commit equals the reference
-     model's `commit` buffer for buffer, bit for bit;
+     in the reference's virtual slot space (the accepted-path commit on vLLM's layout is
+     `dsv4_refresh_launch.refresh_triton`, tested in test_dsv4_refresh_kernel.py);
   2. the Triton kernels equal the twins exactly on random batches with paged,
      shuffled block tables, permuted row slots, both window alignments, CSA / HCA
      ratios, with and without the root's entry committed;
@@ -28,12 +28,10 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton", reason="Triton is not installed; the kernel tests need it (interpreter on CPU)")
 
-from vllm_tree_spec.reference import dsv4_tree as dt  # noqa: E402
-from vllm_tree_spec.reference.dsv4 import DSV4Model  # noqa: E402
-from vllm_tree_spec.reference.dsv4_cache import DSV4Cache, buffer_layout  # noqa: E402
+from vllm_tree_spec.reference.dsv4_cache import DSV4Cache  # noqa: E402
 from vllm_tree_spec.reference.dsv4_config import DSV4Config  # noqa: E402
 from vllm_tree_spec.reference.dsv4_plan import Segment, build_plan  # noqa: E402
-from vllm_tree_spec.tree import Tree, TreeBatch  # noqa: E402
+from vllm_tree_spec.tree import Tree  # noqa: E402
 from vllm_tree_spec.tree_attention import load_kernels_package  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -42,15 +40,12 @@ if DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
 
 load_kernels_package()
 from vllm_tree_spec.kernels.dsv4_tree_meta_launch import (  # noqa: E402
-    tree_commit_rows_triton,
     tree_entry_slots_triton,
     tree_topk_slots_triton,
     tree_window_slots_triton,
 )
 from vllm_tree_spec.kernels.dsv4_tree_meta_reference import (  # noqa: E402
     DSV4TreeRows,
-    commit_pairs,
-    tree_commit_rows_reference,
     tree_entry_slots_reference,
     tree_topk_slots_reference,
     tree_window_slots_reference,
@@ -261,120 +256,6 @@ def test_kernels_on_hand_tree_and_edges():
 
 
 # ---------------------------------------------------------------------------
-# Commit
-
-
-def flat_buffers(cache: DSV4Cache, scratch, layer: int) -> dict[str, torch.Tensor]:
-    """Each buffer as one [B * S' + R, width] tensor in the reference's virtual slot space."""
-    out = {}
-    for name in buffer_layout(cache.config, layer):
-        p = cache.layers[layer].tensors[name]
-        out[name] = torch.cat((p.reshape(-1, p.shape[-1]), scratch[layer].tensors[name])).clone()
-    return out
-
-
-def accepted_paths(rng: random.Random, trees: list[Tree]):
-    d = max(1, max(t.max_depth for t in trees))
-    acc = torch.full((len(trees), d), -1, dtype=torch.long)
-    num = torch.zeros(len(trees), dtype=torch.long)
-    for b, t in enumerate(trees):
-        if t.num_nodes:
-            path = t.path_to(rng.randrange(t.num_nodes))[: rng.randint(0, t.max_depth)]
-            acc[b, : len(path)] = torch.tensor(path, dtype=torch.long)
-            num[b] = len(path)
-    return acc, num
-
-
-@pytest.fixture(scope="module")
-def model():
-    return DSV4Model(CFG, torch.float64, seed=3)
-
-
-@pytest.mark.parametrize("seed", range(2))
-def test_commit_equals_reference_commit(model, seed):
-    """Per-token rows (ratio 1) and entries / indexer keys (ratio m) of every layer == reference `commit`."""
-    rng = random.Random(seed)
-    lengths = [rng.randint(0, 30) for _ in range(3)]
-    cache = DSV4Cache.empty(CFG, 3, MAX_LEN)
-    g = torch.Generator().manual_seed(seed)
-    dt.prefill(model, cache, [torch.randint(0, 64, (n,), generator=g).tolist() for n in lengths])
-    cache.poison_uncommitted()  # a missed or misplaced write shows up as NaN
-    trees = []
-    for _ in range(3):
-        par = random_parents(rng, rng.randint(1, 12))[1:]
-        trees.append(Tree(torch.tensor([p - 1 for p in par], dtype=torch.long),
-                          torch.randint(0, 64, (len(par),), generator=g)))  # fmt: skip
-    step = dt.tree_forward(model, cache, [1, 2, 3], trees)
-    acc, num = accepted_paths(rng, trees)
-    ref = cache.clone()
-    dt.commit(ref, step, [acc[b, : int(num[b])].tolist() for b in range(3)])
-
-    rows = DSV4TreeRows.from_tree_batch(TreeBatch.from_trees(trees), lengths, dtype=torch.int64)
-    r, B, S = rows.num_rows, 3, MAX_LEN
-    for i in range(CFG.num_hidden_layers):
-        bufs = flat_buffers(cache, step.scratch, i)
-        for name, spec in buffer_layout(CFG, i).items():
-            ratio = 1 if spec.per == "token" else spec.ratio
-            bt, bs, own = virtual_spaces(B, r, ratio)
-            if ratio == 1:
-                src = own
-            else:  # the entry list's write slots say which rows emitted and where
-                src = tree_entry_slots_reference(rows, own, bt, bs, ratio).write.long()
-            buf = bufs[name].to(DEVICE)
-            tree_commit_rows_triton(buf, to_dev(rows), src.to(DEVICE), bt.to(DEVICE), bs, acc.to(DEVICE),
-                                    num.to(DEVICE), ratio=ratio)  # fmt: skip
-            bufs[name] = buf.cpu()
-            want = ref.layers[i].tensors[name].reshape(-1, spec.width)
-            got = bufs[name][: want.shape[0]]
-            same = (got == want) | (got.isnan() & want.isnan())
-            assert bool(same.all()), (seed, i, name)
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_commit_vllm_layout_paged_split_rows(seed):
-    """vLLM layout: tree rows at linear slots (in-place compaction), fp8_ds_mla-like pages split into a
-    576-byte data part and an 8-byte scale part, entries from scratch slots to canonical ones."""
-    rng = random.Random(seed)
-    starts, parents = random_batch(rng, max_requests=4, max_start=200)
-    bs = 16
-    rows, bt, row_slots = paged_case(rng, starts, parents, bs, linear=True)
-    nb = bt.numel()
-    pages = [torch.randint(0, 256, (nb, bs * 584), dtype=torch.uint8) for _ in range(2)]  # two layers
-    trees = [Tree(torch.tensor(par[1:], dtype=torch.long) - 1) for par in parents]
-    acc, num = accepted_paths(rng, trees)
-    ref = [p.clone() for p in pages]
-
-    def views(pg):
-        return pg[:, : bs * 576].view(nb, bs, 576), pg[:, bs * 576 :].view(nb, bs, 8)
-
-    dev_pages = [p.to(DEVICE) for p in pages]
-    dargs = (to_dev(rows), row_slots.to(DEVICE), bt.to(DEVICE), bs, acc.to(DEVICE), num.to(DEVICE))
-    for part in range(2):
-        tree_commit_rows_reference([views(p)[part] for p in ref], rows, row_slots, bt, bs, acc, num, paged=True)
-        tree_commit_rows_triton([views(p)[part] for p in dev_pages], *dargs, paged=True)
-    assert all(torch.equal(a.cpu(), b) for a, b in zip(dev_pages, ref))
-    # in-place compaction: the same pairs as the standard-attention commit
-    from vllm_tree_spec.kernels.kv_commit_launch import commit_pairs as kv_pairs
-
-    assert commit_pairs(rows, row_slots, bt, bs, acc, num) == kv_pairs(row_slots, rows.cu_num_rows, acc, num)
-    # entries (ratio 4, 2 entries per page, scratch pages after the canonical ones), root committed
-    m, epb = 4, 2
-    need = max(p + len(par) for p, par in zip(starts, parents)) // m + 1
-    ebt = torch.randperm(len(starts) * (-(-need // epb))).view(len(starts), -1)
-    own = ebt.numel() * epb + torch.randperm(rows.num_rows)
-    write = tree_entry_slots_reference(rows, own, ebt, epb, m, root_committed=True).write
-    ent = torch.randn(ebt.numel() + -(-rows.num_rows // epb), epb, 3, 4)  # [pages, epb, 3, 4] rows of 12 floats
-    ent_ref = ent.clone()
-    n_ref = tree_commit_rows_reference(ent_ref, rows, write, ebt, epb, acc, num, ratio=m, paged=True)
-    ent = ent.to(DEVICE)
-    tree_commit_rows_triton(ent, to_dev(rows), write.to(DEVICE), ebt.to(DEVICE), epb, acc.to(DEVICE), num.to(DEVICE),
-                            ratio=m, paged=True)  # fmt: skip
-    assert torch.equal(ent.cpu(), ent_ref)
-    assert n_ref == sum(1 for b in range(len(starts)) for k in range(1, int(num[b]) + 1)
-                        if (starts[b] + k + 1) % m == 0)  # fmt: skip
-
-
-# ---------------------------------------------------------------------------
 # 3. alignment with the vLLM integration's PyTorch plan (integration/dsv4/plan.py)
 
 
@@ -460,7 +341,3 @@ def test_errors():
         tree_entry_slots_triton(rows, slots, bt, 2, 1, tail_width=1)
     with pytest.raises(ValueError, match="local parents"):
         DSV4TreeRows.from_parents([[0, -1]], [0])
-    with pytest.raises(ValueError, match="share"):
-        tree_commit_rows_triton([torch.zeros(4, 8, device=DEVICE), torch.zeros(5, 8, device=DEVICE)], rows, slots,
-                                bt, 16, torch.zeros(1, 1, dtype=torch.long, device=DEVICE),
-                                torch.zeros(1, dtype=torch.long, device=DEVICE))  # fmt: skip
