@@ -131,6 +131,32 @@ def test_run_all_writes_outside_the_checkout_and_refuses_unknown_names(tmp_path,
     with pytest.raises(SystemExit):
         run_all.main(["--only", "bench_nothing"])
     assert "invalid choice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        run_all.main(["--budget", "bench_nothing=3"])
+    assert "expected NAME=SECONDS" in capsys.readouterr().err
+    sys.modules.pop("run_all", None)
+
+
+def test_run_all_per_benchmark_budget(tmp_path, monkeypatch):
+    """gpu_check.sh's split: --budget NAME=S overrides --time-budget for that benchmark only."""
+    monkeypatch.syspath_prepend(str(BENCH_DIR))
+    import run_all
+
+    seen = {}
+
+    def fake(name):
+        def run(quick, out_dir, time_budget_s):
+            seen[name] = time_budget_s
+            (Path(out_dir) / f"{name}.md").write_text(name)
+
+        return SimpleNamespace(run=run)
+
+    for name in ("bench_dsv4_tree", "bench_verify_commit"):
+        monkeypatch.setitem(sys.modules, name, fake(name))
+    argv = ["--only", "bench_dsv4_tree", "bench_verify_commit", "--time-budget", "75", "--budget",
+            "bench_dsv4_tree=110", "--out", str(tmp_path)]
+    assert run_all.main(argv) == 0
+    assert seen == {"bench_dsv4_tree": 110.0, "bench_verify_commit": 75.0}
     sys.modules.pop("run_all", None)
 
 
