@@ -23,15 +23,15 @@ The engine, prompts, oracle trees and comparisons are test_tree_engine.py's (its
   C128 list controls change only rows below a draft node that completes a block, inside the step (those rows
   read an entry slot nobody wrote): the per-node check rejects them, on exactly those rows; the stores of the
   accepted rows stay within the store tolerances on this checkpoint, so test_tree_engine.py alone would not.
-  Not planted: a stale indexer schedule or missing virtual indexer pages. These prompts (<= 269 tokens) stay in
-  the indexer's short-context bypass (C4 entries <= index_topk = 512), where no tree step builds virtual pages
-  (the adapter's `virtual_pages` stays 0, asserted); the stock engine's stale-schedule refusal is in
-  test_emulated_long_context.py.
+  Not planted here: a stale indexer schedule and virtual indexer pages without the path's keys. These prompts
+  (<= 269 tokens) stay in the indexer's short-context bypass (C4 entries <= index_topk = 512), where no tree step
+  builds virtual pages (the adapter's `virtual_pages` stays 0, asserted); those two controls are planted past the
+  bypass in test_tree_engine_long_context.py.
 * Other tree kinds on "recall" prompts (prompt + its greedy output + its last 4 tokens, so model-free drafters
   find matches): an n-gram chain (`chain:6`), a static suffix tree (explicit paths) and a dynamic suffix tree
   (`s3_k2_d6`): greedy identical to the stock engine and every store after every refresh equal to it.
 
-Not run here: tensor parallelism (one rank), long context, sampled requests.
+Not run here: tensor parallelism (one rank), long context (test_tree_engine_long_context.py), sampled requests.
 """
 
 from __future__ import annotations
