@@ -10,8 +10,9 @@
 #   kernel tests (compiled)     TEST_S  = 150 s
 #   benchmarks (run_all)        BENCH_S = 300 s, DeepSeek-V4 first (each budget stops new configurations;
 #                               the one running finishes):
-#     bench_dsv4_tree           DSV4_S  = 110 s  stage 1 correctness at V4-Flash widths (~15 s incl. compiles),
-#                                                stage 2 grid batch x tree x context, eager + CUDA graphs
+#     bench_dsv4_tree           DSV4_S  = 110 s  stage 1 correctness at V4-Flash widths (and the kernels'
+#                                                compiles), then the stage 2 grid batch x tree x context,
+#                                                eager + CUDA graphs, headline configuration first
 #     bench_tree_attention      BUDGET_S = 75 s
 #     bench_verify_commit       BUDGET_S = 75 s
 #   total                       <= 455 s, ~25 s of slack for start-up and the archive
