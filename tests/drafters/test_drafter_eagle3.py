@@ -312,8 +312,8 @@ def test_seeded_requests_draw_the_same_sampled_tree_under_any_request_id(setup):
 
 
 def test_shared_embedding_padded_rows_dropped_shard_refused(setup):
-    """vLLM pads the target's embedding to a multiple of 64 rows: the padding is dropped; a tensor-parallel
-    shard (fewer rows than the vocabulary) is refused with the fix."""
+    """vLLM pads the target's embedding to a multiple of 64 rows: the padding is dropped; a bare tensor-parallel
+    shard (fewer rows than the vocabulary, nothing to gather it with) is refused with the fix."""
     from vllm_tree_spec.drafters.base import DrafterError
 
     _, target, heads = setup
@@ -321,5 +321,79 @@ def test_shared_embedding_padded_rows_dropped_shard_refused(setup):
     padded = torch.cat([emb, torch.full((64, emb.shape[1]), 7.0)])
     head = load_head(heads["eagle"], target_embedding=padded)
     assert torch.equal(head.embed_tokens.weight, emb)
-    with pytest.raises(DrafterError, match="TP = 1"):
+    with pytest.raises(DrafterError, match="tensor-parallel shard.*pass the full table"):
         load_head(heads["eagle"], target_embedding=emb[: VOCAB // 2])
+
+
+# -- the target's vocab-parallel embedding under tensor parallelism -----------------------------------------
+
+
+def vocab_parallel_ranks(full: torch.Tensor, tp: int, added: int = 0):
+    """vLLM's own VocabParallelEmbedding on each of `tp` simulated ranks, each loaded by vLLM's weight_loader
+    from the full [V, H] table (vLLM does the sharding and padding). The rank's group is a stand-in whose
+    all_gather concatenates the shards in rank order, each rank contributing the tensor it passes in."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    layers = []
+
+    def group(rank):
+        def all_gather(w, dim):
+            assert dim == 0 and torch.equal(w, layers[rank].weight)
+            return torch.cat([w if r == rank else layer.weight.detach() for r, layer in enumerate(layers)])
+        return SimpleNamespace(rank_in_group=rank, world_size=tp, all_gather=all_gather)
+
+    v = full.shape[0]
+    for rank in range(tp):
+        layer = VocabParallelEmbedding(v + added, full.shape[1], params_dtype=full.dtype, org_num_embeddings=v,
+                                       parallel_group=group(rank))
+        if not added:
+            layer.weight.weight_loader(layer.weight, full)
+        layers.append(layer)
+    return layers
+
+
+@pytest.mark.parametrize("vocab,tp", [(1000, 2), (1000, 4), (2048, 2)])
+def test_vocab_parallel_shards_gather_to_the_full_table(vocab, tp):
+    """Every rank rebuilds exactly the unsharded table from vLLM's shards (padded vocabulary: 1000 -> 1024 rows,
+    the last rank's tail is padding, dropped)."""
+    from vllm_tree_spec.integration.tp_weights import full_vocab_table
+
+    full = torch.randn(vocab, 24)
+    layers = vocab_parallel_ranks(full, tp)
+    assert all(layer.weight.shape[0] < vocab for layer in layers)  # each rank holds a shard
+    for layer in layers:
+        assert torch.equal(full_vocab_table(layer, "head", "embedding"), full)
+
+
+def test_drafter_load_model_gathers_the_targets_sharded_embedding(setup):
+    """The EAGLE-3 drafter's load_model on each TP rank of a target whose embed_tokens is a vocab-parallel shard:
+    the head's embedding is the target's full table on every rank."""
+    from types import SimpleNamespace
+
+    _, target, heads = setup
+    emb = target.model.embed_tokens.weight.detach()  # [V, H]
+    for layer in vocab_parallel_ranks(emb, 2):
+        drafter = Eagle3TreeDrafter(None, StaticPolicy.of(Tree.chain(3)), path=heads["eagle"])
+        drafter.load_model(SimpleNamespace(model=SimpleNamespace(embed_tokens=layer)))
+        assert torch.equal(drafter.head.embed_tokens.weight, emb)
+
+
+def test_vocab_parallel_layouts_that_cannot_be_rebuilt_are_refused(monkeypatch):
+    """Added (LoRA) vocabulary inside each shard, and a shard with no tensor-parallel group to gather from
+    (outside an engine), are refused naming the fix."""
+    from vllm.distributed import parallel_state
+
+    from vllm_tree_spec.drafters.base import DrafterError
+    from vllm_tree_spec.integration.tp_weights import full_vocab_table
+
+    full = torch.randn(1000, 24)
+    lora = vocab_parallel_ranks(full, 2, added=16)[0]
+    with pytest.raises(DrafterError, match="added \\(LoRA\\) vocabulary.*own embedding weights, or run it with TP = 1"):
+        full_vocab_table(lora, "head", "embedding")
+    shard = vocab_parallel_ranks(full, 2)[1]
+    shard.parallel_group = None  # vLLM's TP group then, and none is initialized here
+    monkeypatch.setattr(parallel_state, "_TP", None)
+    with pytest.raises(DrafterError, match="no vLLM tensor-parallel group.*inside the vLLM engine"):
+        full_vocab_table(shard, "head", "embedding")

@@ -253,6 +253,19 @@ class _TreeSession(LevelSession):
         return logits  # [B, n, V_draft]
 
 
+def shared_table(layer: torch.nn.Module, who: str, what: str):
+    """A function returning the target's full [V, H] table of `layer` (its embedding / LM head), called by
+    the head's loader only if the checkpoint lacks the tensor. Under tensor parallelism it all-gathers the
+    vocab-parallel shards (integration/tp_weights.py), a collective: vLLM loads the drafter on every rank
+    and every rank reads the same checkpoint, so all ranks call it or none does."""
+    def table() -> torch.Tensor:
+        from vllm_tree_spec.integration.tp_weights import full_vocab_table
+
+        return full_vocab_table(layer, who, what)
+
+    return table
+
+
 class Eagle3TreeDrafter(LevelTreeDrafter):
     """Tree drafts from an EAGLE-3 head fed by the target's auxiliary hidden states.
 
@@ -298,10 +311,9 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
         if self.head is not None:
             return
         emb = None
-        if target_model is not None and hasattr(target_model, "get_input_embeddings"):
-            emb = target_model.get_input_embeddings().weight
-        elif target_model is not None:
-            emb = target_model.model.embed_tokens.weight
+        if target_model is not None:
+            emb = shared_table(target_model.get_input_embeddings() if hasattr(target_model, "get_input_embeddings")
+                               else target_model.model.embed_tokens, f"EAGLE-3 head {self.path}", "embedding")
         self._set_head(load_head(self.path, target_embedding=emb, dtype=self.dtype, device=self.device))
 
     def networks(self) -> list[torch.nn.Module]:

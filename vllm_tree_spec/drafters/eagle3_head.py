@@ -322,19 +322,24 @@ def hf_name(name: str) -> str | None:
     return name.replace("midlayer.", "layers.0.")
 
 
-def shared_weight(w: torch.Tensor, cfg: Eagle3Config, who: str, what: str) -> torch.Tensor:
-    """The target's [V, H] embedding / LM head for the head: vLLM pads vocabularies to a multiple of 64
-    (the rows past V are padding and dropped); fewer rows is a tensor-parallel shard (refused)."""
+def shared_weight(w, cfg: Eagle3Config, who: str, what: str) -> torch.Tensor:
+    """The target's [V, H] embedding / LM head for the head. `w` is the table or a function that returns it
+    (called only when the checkpoint lacks the tensor: the drafters gather tensor-parallel shards there, a
+    collective every rank runs alike). vLLM pads vocabularies to a multiple of 64 (the rows past V are padding
+    and dropped); fewer rows is a tensor-parallel shard that was not gathered (refused)."""
+    if not isinstance(w, torch.Tensor):
+        w = w()
     if w.dim() != 2 or w.shape[1] != cfg.hidden or w.shape[0] < cfg.vocab:
         raise DrafterError(f"{who} shares the target's {what}, but it has shape {tuple(w.shape)}, not "
-                           f"[vocab {cfg.vocab}, hidden {cfg.hidden}] (a tensor-parallel shard?); run the EAGLE "
-                           f"tree drafters with TP = 1")
+                           f"[vocab {cfg.vocab}, hidden {cfg.hidden}] (a tensor-parallel shard?); the EAGLE tree "
+                           f"drafters gather the target's shards when vLLM loads them on every rank "
+                           f"(drafter.load_model(target) inside the engine); outside an engine pass the full table")
     return w.detach()[: cfg.vocab].to("cpu")
 
 
-def load_head(path: str | Path, *, target_embedding: torch.Tensor | None = None, dtype=torch.float32,
-              device="cpu") -> Eagle3Head:
-    """Build the head from a checkpoint directory; `target_embedding` [V, H] fills a missing embed_tokens."""
+def load_head(path: str | Path, *, target_embedding=None, dtype=torch.float32, device="cpu") -> Eagle3Head:
+    """Build the head from a checkpoint directory; `target_embedding` [V, H] (or a function returning it,
+    see `shared_weight`) fills a missing embed_tokens."""
     p = Path(path)
     cfg = read_config(p)
     head = Eagle3Head(cfg, dtype=dtype)

@@ -115,10 +115,10 @@ class EagleHead(nn.Module):
         return torch.arange(self.cfg.vocab, device=self.d2t.device)
 
 
-def load_eagle_head(path: str | Path, *, target_embedding: torch.Tensor | None = None,
-                    target_lm_head: torch.Tensor | None = None, dtype=torch.float32, device="cpu") -> EagleHead:
-    """Build the EAGLE-1 head from a checkpoint directory; the target's embedding / LM head [V, H] fill
-    tensors the checkpoint does not have."""
+def load_eagle_head(path: str | Path, *, target_embedding=None, target_lm_head=None, dtype=torch.float32,
+                    device="cpu") -> EagleHead:
+    """Build the EAGLE-1 head from a checkpoint directory; the target's embedding / LM head [V, H] (or
+    functions returning them, see `shared_weight`) fill tensors the checkpoint does not have."""
     from vllm.transformers_utils.config import get_config
 
     p = Path(path)
