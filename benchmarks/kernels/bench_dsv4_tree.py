@@ -3,7 +3,7 @@
 What runs is the serving path's own code, not a copy: the NVIDIA adapter's `host_plan` (plan.py, host numpy)
 and `device_plan` (device_plan.py: one upload, the lists written into vLLM's metadata buffers), the per-layer
 launches of its layer overrides (hooks.py) and the accepted-path refresh `refresh_triton` over the adapter's
-copy plan (`dsv4_step.refresh_plan` = `adapter._build_refresh_plan`; the test compares them). vLLM is not
+copy plan (`device_plan.refresh_copy_plan`, what the adapter builds after allocation). vLLM is not
 needed (`dsv4_step.py` builds the step): the metadata objects are SimpleNamespaces with the fields
 `device_plan` reads and writes, the caches are views into pooled allocations laid out as vLLM 0.32 lays out
 DeepSeek-V4 (block-outermost; fp8_ds_mla and indexer-key pages padded to a multiple of 576 bytes, so a

@@ -212,6 +212,7 @@ def make_case(shape: V4Shape, batch: int, tree_name: str, context: int, device, 
               stagger: bool = False) -> Case:  # fmt: skip
     from vllm_tree_spec.integration.dsv4.layout import ScratchBlocks
     from vllm_tree_spec.integration.dsv4.nvidia.caches import CacheGroup, Dsv4NvidiaCaches
+    from vllm_tree_spec.integration.dsv4.nvidia.device_plan import refresh_copy_plan
     from vllm_tree_spec.integration.dsv4.nvidia.hooks import StateScratch
     from vllm_tree_spec.integration.dsv4.nvidia.plan import host_plan
 
@@ -337,32 +338,9 @@ def make_case(shape: V4Shape, batch: int, tree_name: str, context: int, device, 
     cos_sin = torch.randn(end + HCA, shape.rope_dim, generator=gen, device=device)
     case = Case(shape, batch, tree_name, context, torch.device(device), step, qsl, starts, rd, long_ctx, caches, md,
                 stock, pools, topk, cos_sin, result, ent_bt.num_blocks, scratch_count)  # fmt: skip
-    case.refresh = refresh_plan(caches, device)
+    case.refresh = refresh_copy_plan(caches)  # the adapter's own (built once after allocation)
     case.state_scratch = StateScratch()
     return case
-
-
-def refresh_plan(caches, device):
-    """The adapter's refresh copy plan (`DeepseekV4NvidiaTreeAdapter._build_refresh_plan`; adapter.py imports
-    the plugin's config, which needs pydantic, absent on a bare GPU machine; test_bench_smoke.py checks that
-    the two agree)."""
-    from vllm_tree_spec.integration.dsv4.nvidia.device_plan import refresh_spaces
-    from vllm_tree_spec.kernels import dsv4_refresh_launch as r
-
-    planes = []
-    for i, space in enumerate(refresh_spaces(caches)):
-        kind, key = space.split(":")
-        if kind == "swa":
-            group = next(g for g in caches.swa if g.gid == int(key))
-            planes += [(p, p, i) for cache in group.caches for p in r.fp8_ds_mla_planes(cache)]
-        elif kind == "state":
-            planes += [(r.state_plane(cache), r.state_plane(cache), i) for cache in caches.state[int(key)].caches]
-        else:
-            m = int(key)
-            planes += [(p, p, i) for cache in caches.entry_caches[m] for p in r.fp8_ds_mla_planes(cache)]
-            if m == CSA:
-                planes += [(p, p, i) for cache in caches.key_caches for p in r.index_key_planes(cache)]
-    return r.build_copy_plan(planes, device)
 
 
 # ---------------------------------------------------------------------------

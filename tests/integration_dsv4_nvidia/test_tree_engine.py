@@ -15,8 +15,9 @@ branch), on prompts whose trees cross C4 blocks, the 128-token window and the C1
 * the plan ran what it is for: block-completing draft nodes of both ratios, entries of both ratios refreshed.
 
 The extended checks (marker `extended`) are in test_tree_engine_slow.py: negative controls planted in the
-adapter, every node's row against sequential decoding, n-gram chains and static / dynamic suffix trees. Not run
-by either: tree steps past the indexer's short-context bypass (virtual indexer pages), TP > 1, sampled requests.
+adapter, every node's row against sequential decoding, n-gram chains and static / dynamic suffix trees; tree
+steps past the indexer's short-context bypass in test_tree_engine_long_context.py, the MTP drafter in
+test_tree_engine_mtp.py. Not run here: sampled requests.
 """
 
 import random

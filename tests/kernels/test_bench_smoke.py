@@ -87,26 +87,6 @@ def test_dsv4_bench_gate_fails_on_planted_wrong_results(monkeypatch):
     sys.modules.pop("bench_dsv4_tree", None)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="no CUDA device and TRITON_INTERPRET is not 1")
-def test_dsv4_bench_refresh_plan_is_the_adapters(monkeypatch):
-    """The benchmark's refresh copy plan (it cannot import the adapter module on a GPU machine without vLLM's
-    dependencies) equals `DeepseekV4NvidiaTreeAdapter._build_refresh_plan` on the same caches."""
-    adapter = pytest.importorskip("vllm_tree_spec.integration.dsv4.nvidia.adapter")
-    monkeypatch.syspath_prepend(str(BENCH_DIR))
-    import bench_dsv4_tree as bench
-
-    from vllm_tree_spec.tree_attention import load_kernels_package
-
-    load_kernels_package()
-    case = bench.make_case(bench.QUICK_SHAPE, 2, "s3_k2_d6", 256, torch.device("cpu"))
-    want = adapter.DeepseekV4NvidiaTreeAdapter._build_refresh_plan(SimpleNamespace(caches=case.caches))
-    assert torch.equal(case.refresh.desc, want.desc) and torch.equal(case.refresh.items, want.items)
-    # planes: 3 SWA caches x 2, 3 state caches, C4 entries x 2 + keys x 2, C128 entries x 2
-    assert case.refresh.block == want.block and case.refresh.desc.shape[0] == 6 + 3 + 4 + 2
-    sys.modules.pop("bench_dsv4_tree", None)
-
-
 @runs_kernels
 def test_tile_sweep_quick(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH_DIR))

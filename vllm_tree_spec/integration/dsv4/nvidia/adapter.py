@@ -34,7 +34,7 @@ import torch
 from vllm_tree_spec.integration.dsv4 import layout
 from vllm_tree_spec.integration.dsv4.nvidia import hooks, refusals
 from vllm_tree_spec.integration.dsv4.nvidia.caches import CSA, find_caches
-from vllm_tree_spec.integration.dsv4.nvidia.device_plan import device_plan, refresh_spaces
+from vllm_tree_spec.integration.dsv4.nvidia.device_plan import device_plan, refresh_copy_plan
 from vllm_tree_spec.integration.dsv4.nvidia.plan import GpuTreePlan, host_plan
 from vllm_tree_spec.integration.dsv4.nvidia.runner_view import V1RunnerView
 
@@ -108,24 +108,7 @@ class DeepseekV4NvidiaTreeAdapter:
         self.refresh_plan = self._build_refresh_plan()
 
     def _build_refresh_plan(self):
-        r = _kernels()
-        c = self.caches
-        planes = []
-        spaces = refresh_spaces(c)
-        for i, space in enumerate(spaces):
-            kind, key = space.split(":")
-            if kind == "swa":
-                group = next(g for g in c.swa if g.gid == int(key))
-                planes += [(p, p, i) for cache in group.caches for p in r.fp8_ds_mla_planes(cache)]
-            elif kind == "state":
-                planes += [(r.state_plane(cache), r.state_plane(cache), i) for cache in c.state[int(key)].caches]
-            else:
-                m = int(key)
-                planes += [(p, p, i) for cache in c.entry_caches[m] for p in r.fp8_ds_mla_planes(cache)]
-                if m == CSA:
-                    planes += [(p, p, i) for cache in c.key_caches for p in r.index_key_planes(cache)]
-        device = c.swa[0].caches[0].device
-        return r.build_copy_plan(planes, device)
+        return refresh_copy_plan(self.caches)
 
     def tree_layers(self, runner) -> set[str]:
         """Every layer that must apply this step's plan (checked after the forward)."""

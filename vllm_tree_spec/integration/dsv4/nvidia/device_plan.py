@@ -38,6 +38,31 @@ def refresh_spaces(caches: Dsv4NvidiaCaches) -> list[str]:
             + [f"entries:{m}" for m in caches.ratios])
 
 
+def refresh_copy_plan(caches: Dsv4NvidiaCaches):
+    """The refresh's copy plan (built once, after allocation): every byte plane of every cache, by slot space
+    (fp8_ds_mla data + scales of the SWA and entry caches, fp32 compressor state rows, indexer key values +
+    scales), in vLLM's pooled, padded layout."""
+    from vllm_tree_spec.tree_attention import load_kernels_package
+
+    load_kernels_package()
+    from vllm_tree_spec.kernels import dsv4_refresh_launch as r
+
+    planes = []
+    for i, space in enumerate(refresh_spaces(caches)):
+        kind, key = space.split(":")
+        if kind == "swa":
+            group = next(g for g in caches.swa if g.gid == int(key))
+            planes += [(p, p, i) for cache in group.caches for p in r.fp8_ds_mla_planes(cache)]
+        elif kind == "state":
+            planes += [(r.state_plane(cache), r.state_plane(cache), i) for cache in caches.state[int(key)].caches]
+        else:
+            m = int(key)
+            planes += [(p, p, i) for cache in caches.entry_caches[m] for p in r.fp8_ds_mla_planes(cache)]
+            if m == CSA:
+                planes += [(p, p, i) for cache in caches.key_caches for p in r.index_key_planes(cache)]
+    return r.build_copy_plan(planes, caches.swa[0].caches[0].device)
+
+
 def device_plan(hp: HostPlan, step, md: dict, caches: Dsv4NvidiaCaches, device, *, long_context: bool,
                 num_sms: int | None, schedule_fn=None) -> GpuTreePlan:
     meta = _kernels()
@@ -57,8 +82,9 @@ def device_plan(hp: HostPlan, step, md: dict, caches: Dsv4NvidiaCaches, device, 
                       "cos_dst", "cos_src"):
                 arrays[f"vc{m}_{k}"] = getattr(vc, k)
     ix = hp.indexer if long_context else None
+    if ix is not None:
+        arrays["nv4"] = (pos + 1) // CSA  # every decode row's visible C4 entries at its own (depth) position
     if ix is not None and len(ix.rows_bt):
-        arrays["nv4"] = (pos + 1) // CSA
         for k in ("rows_bt", "blk_idx", "vblock", "page_req", "page_idx", "page_dst", "key_src", "key_dst"):
             arrays[f"ix_{k}"] = getattr(ix, k)
     names = list(arrays)
@@ -118,7 +144,10 @@ def device_plan(hp: HostPlan, step, md: dict, caches: Dsv4NvidiaCaches, device, 
             g("fill_dst"), g("cos_dst"), g("cos_src"), vc.num_blocks, int(vc.cos_dst.max()) + 1)
 
     indexer = None
-    if ix is not None and len(ix.rows_bt):
+    if ix is not None:
+        # Past the short-context bypass every decode row needs its own length (vLLM's flattened lengths follow
+        # query order, which overshoots a row's depth), and the schedule must be rebuilt for them; rows that
+        # see entries completed inside the tree also read virtual pages (the path's keys).
         i_md = md[caches.metadata_keys["indexer"]]
         dec = i_md.decode
         if dec is None or dec.block_table.shape[0] != i_md.num_decode_tokens or i_md.num_decode_tokens != rd:
@@ -126,12 +155,15 @@ def device_plan(hp: HostPlan, step, md: dict, caches: Dsv4NvidiaCaches, device, 
                                "token); this step's indexer metadata used the native multi-row decode")
         seq = dec.seq_lens.view(-1)
         seq[:rd].copy_(dev["nv4"])
-        dec.block_table[dev["ix_rows_bt"], dev["ix_blk_idx"]] = dev["ix_vblock"].to(dec.block_table.dtype)
+        if len(ix.rows_bt):
+            dec.block_table[dev["ix_rows_bt"], dev["ix_blk_idx"]] = dev["ix_vblock"].to(dec.block_table.dtype)
         if schedule_fn is not None:
             sched = schedule_fn(dec.seq_lens, KEYS_PER_BLOCK, num_sms)
             dec.schedule_metadata.copy_(sched)
-        page_src = i_md.block_table[dev["ix_page_req"], dev["ix_page_idx"]].to(torch.int64)
-        indexer = IndexerPages(page_src, dev["ix_page_dst"], dev["ix_key_src"], dev["ix_key_dst"], len(ix.rows_bt))
+        if len(ix.rows_bt):
+            page_src = i_md.block_table[dev["ix_page_req"], dev["ix_page_idx"]].to(torch.int64)
+            indexer = IndexerPages(page_src, dev["ix_page_dst"], dev["ix_key_src"], dev["ix_key_dst"],
+                                   len(ix.rows_bt))
 
     refresh = _refresh_tables(hp, dev, md, caches)
     return GpuTreePlan(rows, rd, entries, compress, indexer, refresh, step, hp)
@@ -172,4 +204,4 @@ def _refresh_tables(hp: HostPlan, dev: dict, md: dict, caches: Dsv4NvidiaCaches)
     return RefreshTables(torch.stack(src), torch.stack(dst), spaces)
 
 
-__all__ = ["device_plan", "refresh_spaces"]
+__all__ = ["device_plan", "refresh_copy_plan", "refresh_spaces"]
