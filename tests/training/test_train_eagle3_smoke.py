@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # ~65 s; the default run keeps the trainer's resume tests
 def test_train_script_writes_a_head_both_drafters_load(tiny_models, tmp_path):
     target = str(tiny_models.llama(vocab_size=2048, num_layers=4, seed=0, initializer_range=0.08,
                                    max_position_embeddings=4096))
