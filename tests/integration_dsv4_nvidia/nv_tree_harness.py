@@ -12,6 +12,9 @@
   request's stores after every refresh).
 * `sequential_logprobs`: vLLM without speculation on context + path of every recorded node (the per-node
   reference).
+* `plan_digests`, `cache_digests`, `tp_probe_report`: sha256 digests of a tree step's plan (host half, device
+  half, the lists written into vLLM's metadata) and of every KV-cache tensor, computed inside each TP worker
+  (test_tree_engine_tp.py).
 """
 
 from __future__ import annotations
@@ -351,3 +354,133 @@ def row_errors(records: list[TreeRecord], seq: dict, tie: float, ratios=(4, 128)
             max(abs(float(lp[t]) - ref[t]) for t in top), int(lp.argmax()) != top[0] and gap > tie,
             {m: any((p + 1) % m == 0 for p in pos) for m in ratios}))
     return out
+
+
+# ---------------------------------------------------------------------------
+# Tensor parallelism: digests of what each rank holds (computed inside the workers; test_tree_engine_tp.py)
+
+# Plan fields left out of a digest: the runner's TreeStep (the host half holds what the plan took from it), the
+# per-layer virtual cos/sin tables (keyed by data_ptr, a per-process address; the tables are derived from the
+# digested cos_src / cos_dst rows) and the C4 top-k call counter (the forward increments it).
+PLAN_DIGEST_SKIP = frozenset({"step", "cos_tables", "topk_calls"})
+
+
+def _feed(h, obj, skip=frozenset()) -> int:
+    """Feed obj's bytes (tensors, arrays, dataclasses, containers, scalars) into hash h; returns the tensor /
+    array bytes fed. Raises on a type it has no rule for, so nothing is silently left out."""
+    import dataclasses
+
+    import numpy as np
+
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous().reshape(-1)
+        h.update(f"T{t.dtype}{tuple(obj.shape)}".encode())
+        b = t.view(torch.uint8).numpy().tobytes()
+        h.update(b)
+        return len(b)
+    if isinstance(obj, np.ndarray):
+        b = np.ascontiguousarray(obj).tobytes()
+        h.update(f"A{obj.dtype}{obj.shape}".encode())
+        h.update(b)
+        return len(b)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        h.update(type(obj).__name__.encode())
+        n = 0
+        for f in dataclasses.fields(obj):
+            if f.name not in skip:
+                h.update(f.name.encode())
+                n += _feed(h, getattr(obj, f.name), skip)
+        return n
+    if isinstance(obj, dict):
+        n = 0
+        for k in sorted(obj, key=repr):
+            h.update(repr(k).encode())
+            n += _feed(h, obj[k], skip)
+        return n
+    if isinstance(obj, (list, tuple)):
+        h.update(f"L{len(obj)}".encode())
+        return sum(_feed(h, x, skip) for x in obj)
+    if obj is None or isinstance(obj, (bool, int, float, str, np.integer, np.floating)):
+        h.update(repr(obj).encode())
+        return 0
+    raise TypeError(f"no digest rule for {type(obj).__name__}")
+
+
+def digest(obj, skip=frozenset()) -> tuple[str, int]:
+    import hashlib
+
+    h = hashlib.sha256()
+    n = _feed(h, obj, skip)
+    return h.hexdigest(), n
+
+
+def plan_metadata_lists(plan, md: dict, caches) -> dict[str, torch.Tensor]:
+    """The decode rows of the lists a tree step's plan wrote into vLLM's metadata (device_plan.py): SWA window
+    lists, entry write slots, the C128 list, the indexer's decode lengths and page table."""
+    rd = plan.num_rows
+    out = {}
+    for g in caches.swa:
+        m = md[g.layers[0]]
+        out[f"swa{g.gid}.indices"] = m.decode_swa_indices[:rd]
+        out[f"swa{g.gid}.lens"] = m.decode_swa_lens[:rd]
+    for role, name in caches.metadata_keys.items():
+        m = md[name]
+        out[f"{role}.slot_mapping"] = m.slot_mapping[:rd]
+        dense = getattr(m, "c128a_global_decode_topk_indices", None)
+        if dense is not None:
+            out[f"{role}.c128_list"] = dense[:rd]
+            out[f"{role}.c128_lens"] = m.c128a_decode_topk_lens[:rd]
+        dec = getattr(m, "decode", None)
+        if role == "indexer" and dec is not None:
+            out["indexer.seq_lens"] = dec.seq_lens.view(-1)[:rd]
+            out["indexer.block_table"] = dec.block_table[:rd]
+    return out
+
+
+def plan_digests(plan, md: dict, caches) -> dict:
+    """One tree step's plan on this rank: digests of its host half, its device half (every tensor it uploaded or
+    built) and the lists it wrote into vLLM's metadata, with the bytes each covers."""
+    host, host_b = digest(plan.host)
+    dev, dev_b = digest(plan, PLAN_DIGEST_SKIP | {"host"})
+    lists, lists_b = digest(plan_metadata_lists(plan, md, caches))
+    return {"host": host, "device": dev, "metadata": lists, "bytes": host_b + dev_b + lists_b,
+            "rows": int(plan.num_rows), "trees": len(plan.step.requests)}
+
+
+def cache_digests(runner) -> dict[str, tuple[str, int]]:
+    """Every KV-cache tensor of this rank (whole tensors, scratch blocks included: V4's caches are replicated
+    across TP ranks): layer name -> (digest, bytes), and `allocation{i}` -> the same for each allocation the
+    views live in."""
+    ctx = runner.compilation_config.static_forward_context
+    out, storages = {}, {}
+    for group in runner.kv_cache_config.kv_cache_groups:
+        for name in group.layer_names:
+            kv = getattr(ctx[name], "kv_cache", None)
+            if isinstance(kv, (list, tuple)):
+                kv = kv[0]
+            if isinstance(kv, torch.Tensor) and kv.numel():
+                out[name] = digest(kv)
+                storages.setdefault(kv.untyped_storage().data_ptr(), kv.untyped_storage())
+    # the views alias one pooled allocation (groups share blocks): also every allocation whole, padding included
+    for i, st in enumerate(storages.values()):
+        out[f"allocation{i}"] = digest(torch.empty(0, dtype=torch.uint8).set_(st))
+    return out
+
+
+# Filled in each worker by test_tree_engine_tp.py's probes: per tree step, plan_digests; per refresh,
+# [request id, length, digest of snapshot_nv].
+TP_PROBE: dict = {"plans": [], "refresh": []}
+
+
+def tp_probe_report(worker) -> dict:
+    """collective_rpc target: this rank's probes, final cache digests and counters (timings left out)."""
+    from vllm.distributed import get_tp_group
+
+    runner = worker.model_runner
+    adapter = getattr(runner, "tree_adapter", None)
+    stats = getattr(runner, "tree_stats", None)
+    untimed = lambda d: {k: v for k, v in d.items() if not k.endswith("_s")}  # noqa: E731
+    return {"rank": get_tp_group().rank_in_group, "plans": TP_PROBE["plans"], "refresh": TP_PROBE["refresh"],
+            "caches": cache_digests(runner), "adapter": type(adapter).__name__ if adapter is not None else None,
+            "stats": untimed(adapter.stats) if adapter is not None else {},
+            "tree_stats": untimed(stats.as_dict()) if stats is not None else {}}
