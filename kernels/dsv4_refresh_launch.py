@@ -155,6 +155,9 @@ def refresh_triton(plan: CopyPlan, src_table: torch.Tensor, dst_table: torch.Ten
         raise ValueError("src_table / dst_table must be [S, R] tensors with the same contiguous rows")
     if accepted_nodes.dim() != 2 or accepted_nodes.shape[0] != b or cu_num_rows.shape[0] != b + 1:
         raise ValueError("accepted_nodes [B, D], num_accepted [B], cu_num_rows [B + 1] disagree")
+    if not (num_accepted.is_contiguous() and cu_num_rows.is_contiguous() and accepted_nodes[0].is_contiguous()):
+        raise ValueError("num_accepted, cu_num_rows and the rows of accepted_nodes must be contiguous (the kernel "
+                         "indexes them with stride 1; e.g. a column of a packed tensor needs .contiguous())")
     if accepted_nodes.shape[1] == 0:
         return  # nothing but roots, which are never copied
     dsv4_refresh_kernel[(b, plan.num_items)](

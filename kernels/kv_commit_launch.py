@@ -153,6 +153,9 @@ def _launch(views: list[torch.Tensor], row_slots, cu_num_rows, accepted_nodes, n
             raise TypeError(f"{name} must be a {dim}-D int32/int64 tensor, got {t.dtype} {tuple(t.shape)}")
         if t.device != device:
             raise ValueError(f"{name} is on {t.device}; the caches are on {device}")
+        if t.numel() and not t[(0,) * (dim - 1)].is_contiguous():  # the kernel indexes the last dim with stride 1
+            raise ValueError(f"{name} must be contiguous in its last dim (stride {t.stride()}); e.g. a column of a "
+                             f"packed tensor needs .contiguous()")
     batch = num_accepted.shape[0]
     if cu_num_rows.shape[0] != batch + 1 or accepted_nodes.shape[0] != batch:
         raise ValueError(

@@ -101,3 +101,33 @@ def test_argmax_rows_is_vllms_greedy_token_and_torchs_argmax():
     xb = torch.randn(4, 100, generator=g).bfloat16()
     assert torch.equal(argmax_rows(xb), xb.argmax(-1))
     assert argmax_rows(x).dtype == torch.int64
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_tp_broadcast_returns_contiguous_vectors(monkeypatch, batch):
+    """Every TP rank commits rank 0's path from the broadcast buffer; the commit kernels index num_accepted and
+    the other [B] vectors with stride 1, so the broadcast must not hand back columns of that buffer."""
+    import vllm.distributed
+
+    from vllm_tree_spec.integration.tree_sampler import broadcast_from_first_rank
+    from vllm_tree_spec.verify.batch import TreeVerifyOutput
+
+    class Group:  # a 2-rank TP group seen from rank 0: the broadcast returns what rank 0 sent
+        world_size = 2
+
+        @staticmethod
+        def broadcast(t, src=0):
+            return t.clone()
+
+    monkeypatch.setattr(vllm.distributed, "get_tp_group", lambda: Group)
+    d = 3
+    acc = torch.arange(batch * d).view(batch, d)
+    num = torch.arange(batch) + 1
+    tok, walked = torch.arange(batch) + 7, torch.arange(batch) + 2
+    out = torch.arange(batch * (d + 1)).view(batch, d + 1)
+    res = broadcast_from_first_rank(TreeVerifyOutput(acc, num, tok, out, walked))
+    for got, want in ((res.accepted_nodes, acc), (res.num_accepted, num), (res.next_token, tok),
+                      (res.output_token_ids, out), (res.walked, walked)):
+        assert torch.equal(got, want)
+        assert got.is_contiguous() and (got.dim() == 1 or got[0].is_contiguous())
+        assert got.numel() <= 1 or got.stride(-1) == 1

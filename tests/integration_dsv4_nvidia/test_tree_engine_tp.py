@@ -41,15 +41,6 @@ MAX_TOKENS = 16
 SPEC = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 8}
 TIMEOUT_S = 1500
 
-# At TP > 1 tree_sampler.broadcast_from_first_rank returns num_accepted as a column view of the broadcast tensor
-# (stride != 1), and the refresh kernel (kernels/dsv4_refresh.py) reads num_accepted_ptr + b: request b >= 1 gets
-# another column's value (request 0's next token id) as its accepted count and the refresh copies rows at slots
-# read past its tables (segfault under Triton's interpreter in the first tree step; out-of-bounds writes into
-# the KV cache on a GPU). kernels/kv_commit.py reads num_accepted the same way. Strict: remove once fixed.
-STRIDED_NUM_ACCEPTED = pytest.mark.xfail(
-    strict=True, reason="TP > 1: broadcast_from_first_rank's strided num_accepted reaches the refresh kernel, "
-                        "which assumes stride 1 (the first tree step crashes)")
-
 SITE = textwrap.dedent("""
     import json, os, sys
     if os.environ.get("NV_TP_TEST") == "1":
@@ -200,7 +191,6 @@ def runs(decisive_model, tmp_path_factory):
     return {"base": base, "tree": tree, "truth": truth, "tmp": tmp}
 
 
-@STRIDED_NUM_ACCEPTED
 def test_tp2_tree_greedy_identical_and_ranks_agree(runs):
     base, tree = runs["base"], runs["tree"]
     assert tree["outputs"] == base["outputs"]
@@ -223,7 +213,6 @@ def test_tp2_tree_greedy_identical_and_ranks_agree(runs):
     assert r0["stats"] == r1["stats"] and r0["tree_stats"] == r1["tree_stats"]
 
 
-@STRIDED_NUM_ACCEPTED
 @pytest.mark.parametrize("control", ["scratch", "path"])
 def test_tp2_rank_divergence_is_caught(runs, decisive_model, control):
     """Rank 1 takes its scratch blocks from the other end of the reserved range (a rank-local plan difference

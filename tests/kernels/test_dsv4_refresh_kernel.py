@@ -217,3 +217,16 @@ def test_unpadded_page_stride_addresses_other_bytes():
 
     assert torch.equal(read(good), want)
     assert not torch.equal(read(bad), want)
+
+
+def test_a_strided_num_accepted_is_refused():
+    """A column of the TP broadcast's packed tensor (stride != 1) would be read as other requests' counts."""
+    _, fp8, _, _ = pooled(0)
+    plan = build_copy_plan([(p, p, 0) for p in fp8_ds_mla_planes(fp8[0])], DEVICE, block=8)
+    src = torch.arange(4, dtype=torch.int64, device=DEVICE)[None]
+    packed = torch.tensor([[0, 1, 7], [0, 1, 9]], dtype=torch.int64, device=DEVICE)
+    acc, num = packed[:, :1], packed[:, 1]
+    cu = torch.tensor([0, 2, 4], dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="contiguous"):
+        refresh_triton(plan, src, src.clone(), cu, acc, num)
+    refresh_triton(plan, src, src.clone(), cu, acc, num.contiguous())  # the same step, contiguous: runs

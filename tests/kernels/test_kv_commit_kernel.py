@@ -205,3 +205,14 @@ def test_errors():
         kv_commit_triton(strided, slots, cu, acc, num)
     with pytest.raises(TypeError, match="int32/int64"):
         kv_commit_triton(torch.zeros(2, 4, 2, 1, 8, device=DEVICE), slots.float(), cu, acc, num)
+
+
+def test_a_strided_num_accepted_is_refused():
+    """The TP broadcast packs the verifier's outputs into one tensor; a column of it has stride != 1, which the
+    kernel would read as other requests' values (it indexes num_accepted with stride 1)."""
+    cu = torch.tensor([0, 2, 4], device=DEVICE)
+    packed = torch.tensor([[1, 1, 7], [1, 1, 9]], device=DEVICE)  # [B, D + 2]: accepted, num_accepted, token
+    acc, num = packed[:, :1], packed[:, 1]
+    assert num.stride(0) != 1
+    with pytest.raises(ValueError, match="contiguous"):
+        kv_commit_triton(torch.zeros(2, 4, 2, 1, 8, device=DEVICE), torch.arange(4, device=DEVICE), cu, acc, num)

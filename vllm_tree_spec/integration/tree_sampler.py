@@ -567,4 +567,6 @@ def broadcast_from_first_rank(result: TreeVerifyOutput) -> TreeVerifyOutput:
                         walked[:, None], result.output_token_ids], dim=1)
     packed = group.broadcast(packed.contiguous(), src=0)
     d = result.accepted_nodes.shape[1]
-    return TreeVerifyOutput(packed[:, :d], packed[:, d], packed[:, d + 1], packed[:, d + 3:], packed[:, d + 2])
+    # columns of `packed` are strided views; the commit kernels index [B] vectors with stride 1
+    cols = (packed[:, :d], packed[:, d], packed[:, d + 1], packed[:, d + 3:], packed[:, d + 2])
+    return TreeVerifyOutput(*(c.contiguous() for c in cols))
