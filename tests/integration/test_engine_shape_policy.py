@@ -106,6 +106,7 @@ def _plan_changes(text: str) -> float:
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.extended  # ~27 s; TP = 2 tree engines stay in the default run (test_engine_tp.py, test_engine_eagle_tp.py)
 def test_tensor_parallel_ranks_share_the_plan(tiny_models, monkeypatch):
     """TP = 2: every rank drafts its own trees and times its own steps; re-planning every 8 steps must give
     all ranks rank 0's plan (else the scheduled drafts would not match a rank's tree), and greedy output

@@ -90,6 +90,7 @@ def test_tree_row_logits_equal_sequential_decode(tiny_models, dtype, monkeypatch
 
 
 @pytest.mark.vllm
+@pytest.mark.extended  # the greedy suite's no-tree-mask control runs by default (test_engine_greedy.py)
 def test_check_rejects_a_missing_tree_mask(tiny_models, monkeypatch):
     """Negative control: with the stock chain-causal kernel instead of the tree split the check fails."""
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackendImpl

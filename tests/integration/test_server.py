@@ -160,11 +160,11 @@ def test_min_p_and_logit_bias_are_served(server):
 @pytest.mark.parametrize("spec,needle", [
     ({"method": "tree", "drafter": "suffix", "tree": "s3_k2_d99"}, "key 'tree'"),
     # each case starts a server process (~10 s); the rest of the config checks run in-process
-    # (test_engine_startup.py), so these two are extended here
+    # (test_engine_startup.py), so three are extended here
     pytest.param({"method": "tree", "drafter": "ngram", "tree": "chain:4", "num_speculative_tokens": 2},
                  "num_speculative_tokens", marks=pytest.mark.extended),
     pytest.param({"method": "tree", "drafter": "suffix", "bogus": 1}, "bogus", marks=pytest.mark.extended),
-    ({"method": "tree", "drafter": "draft_model"}, "key 'model'"),
+    pytest.param({"method": "tree", "drafter": "draft_model"}, "key 'model'", marks=pytest.mark.extended),
 ])
 def test_bad_config_fails_at_startup(tiny_models, spec, needle):
     model = str(tiny_models.llama(vocab_size=VOCAB, num_layers=2, seed=0))

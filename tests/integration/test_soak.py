@@ -81,6 +81,7 @@ class _LeakPoller(threading.Thread):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.extended  # ~75 s (two servers); the default run keeps the fault tests (test_engine_faults.py)
 def test_soak_mixed_load(servers):
     from soak_client import (check_records, greedy_mismatches, make_mix, run_load, summary, wait_drained,
                              without_seeds)
