@@ -318,6 +318,16 @@ def snapshot_mismatches(a: dict, b: dict) -> dict[str, float]:
             if v > (ROW_STEP_TOL if a[k].dtype == torch.uint8 else STATE_REL_TOL)}
 
 
+def store_verdict(stock_outputs, stock_snaps: dict, tree_outputs, tree_snaps: dict) -> dict:
+    """Greedy identity and the stores after every refresh of a tree run against the stock run (the refresh
+    points both recorded)."""
+    common = [k for k in tree_snaps if k in stock_snaps]
+    bad = {k: d for k in common if (d := snapshot_mismatches(stock_snaps[k], tree_snaps[k]))}
+    worst = max((v for d in bad.values() for v in d.values()), default=0.0)
+    return {"greedy_identical": tree_outputs == stock_outputs, "points": len(common), "bad_points": len(bad),
+            "bad_stores": sorted({s for d in bad.values() for s in d}), "worst": worst}
+
+
 @dataclass
 class RowError:
     """One checked row of a recorded tree step against sequential decoding."""

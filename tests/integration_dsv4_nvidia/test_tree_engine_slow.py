@@ -61,15 +61,11 @@ NODE_ARGMAX_TIE = 0.1  # an argmax may differ only where the reference's top-2 g
 
 def verdict(base, tree) -> dict:
     """Greedy identity and the stores after refresh of a tree run against the stock run."""
-    from nv_tree_harness import snapshot_mismatches
+    from nv_tree_harness import store_verdict
 
     _, run, base_snaps = base
     tr, _, snaps = tree
-    common = [k for k in snaps if k in base_snaps]
-    bad = {k: d for k in common if (d := snapshot_mismatches(base_snaps[k], snaps[k]))}
-    worst = max((v for d in bad.values() for v in d.values()), default=0.0)
-    return {"greedy_identical": tr.outputs == run.outputs, "points": len(common), "bad_points": len(bad),
-            "bad_stores": sorted({s for d in bad.values() for s in d}), "worst": worst}
+    return store_verdict(run.outputs, base_snaps, tr.outputs, snaps)
 
 
 def passes(v: dict) -> bool:
