@@ -59,12 +59,17 @@ def _run(tmp: Path, model: str, runner: str, plant: str | None = None, stock_onl
     return json.loads(out.read_text())
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory) -> str:
+def _tiny_dsv4(out: Path, **kwargs) -> str:
+    """tests/integration_dsv4's tiny checkpoint with the decisive successor vote (greedy far from ties)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent / "integration_dsv4"))
     from tiny_dsv4 import DECISIVE_BIGRAM, make_tiny_dsv4
 
-    return str(make_tiny_dsv4(tmp_path_factory.mktemp("v2_dsv4") / "dsv4", bigram=DECISIVE_BIGRAM))
+    return str(make_tiny_dsv4(out / "dsv4", bigram=DECISIVE_BIGRAM, **kwargs))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> str:
+    return _tiny_dsv4(tmp_path_factory.mktemp("v2_dsv4"))
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +110,7 @@ def test_v2_store_check_rejects_a_missing_refresh(model, tmp_path):
 def test_v2_mtp_trees_greedy_identical_with_stores_equal(tmp_path_factory):
     """The MTP tree drafter on V2 (it reads the target's residual rows through V2's `propose` hook), on a
     checkpoint whose MTP layer predicts the tiny target's bigram vote, so its trees get accepted."""
-    from tiny_dsv4 import DECISIVE_BIGRAM, make_tiny_dsv4
-
-    model = str(make_tiny_dsv4(tmp_path_factory.mktemp("v2_mtp") / "dsv4", bigram=DECISIVE_BIGRAM, mtp_bigram=True))
+    model = _tiny_dsv4(tmp_path_factory.mktemp("v2_mtp"), mtp_bigram=True)
     run = _run(tmp_path_factory.mktemp("v2_mtp_run"), model, "V2", oracle=False,
                spec={"method": "tree", "drafter": "mtp", "tree": "s3_k2_d6"})
     ts = run["tree_stats"]
