@@ -1,4 +1,5 @@
-"""Tree speculation for DeepSeek-V4 on vLLM 0.32's NVIDIA model path (`vllm/models/deepseek_v4/nvidia/`).
+"""Tree speculation for DeepSeek-V4 on vLLM's NVIDIA model path (`vllm/models/deepseek_v4/nvidia/`): vLLM 0.32 on
+its V1 runner, vLLM 0.34 on Model Runner V2.
 
 Modules: `caches.py` (the caches by role), `plan.py` (a step's plan, host half), `device_plan.py` (its device
 half: the lists written into vLLM's metadata), `hooks.py` (the layer overrides that apply it), `adapter.py`

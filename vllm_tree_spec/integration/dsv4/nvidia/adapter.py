@@ -1,7 +1,8 @@
 """The DeepSeek-V4 tree adapter for vLLM's NVIDIA model path (FlashMLA sparse, CuTeDSL / Triton compressors,
 DeepGEMM indexer): branch isolation during a verify step, accepted-path refresh after it, on the device.
 
-Hooks (called by the runner adapter: `runner.py` for V1; see runner_view.py for what a runner provides):
+Hooks (called by the runner adapter: `runner.py` for V1, `v2/runner.py` for Model Runner V2; runner_view.py holds
+what each runner provides):
 
     check(runner)                after model load: refusals (refusals.py), bind the layer overrides (hooks.py)
     kv_cache_config(runner, cfg) before allocation: reserve scratch blocks in the compressed-entry group
