@@ -225,7 +225,7 @@ def make_case(shape: V4Shape, batch: int, tree_name: str, context: int, device, 
     row_req = np.repeat(np.arange(batch), 1 + n)
     lin = starts[row_req] + (np.arange(rd) - qsl[row_req])  # vLLM's linear positions of the step's rows
     end = int(starts.max()) + n + 1
-    L, kinds = len(shape.kinds), shape.kinds
+    kinds = shape.kinds
     csa = [i for i, k in enumerate(kinds) if k == "csa"]
     hca = [i for i, k in enumerate(kinds) if k == "hca"]
     epb = {CSA: shape.entry_tokens_per_block // CSA, HCA: shape.entry_tokens_per_block // HCA}

@@ -13,7 +13,7 @@ head's vocabulary. The differences (`eagle_head.py`):
 
 from __future__ import annotations
 
-from vllm_tree_spec.drafters.eagle3 import Eagle3TreeDrafter, shared_table
+from vllm_tree_spec.drafters.eagle3 import Eagle3TreeDrafter, shared_table, target_embedding_layer
 from vllm_tree_spec.drafters.eagle_head import load_eagle_head
 
 __all__ = ["EagleTreeDrafter"]
@@ -36,8 +36,7 @@ class EagleTreeDrafter(Eagle3TreeDrafter):
         emb = lm_head = None
         if target_model is not None:
             who = f"EAGLE head {self.path}"
-            emb = shared_table(target_model.get_input_embeddings() if hasattr(target_model, "get_input_embeddings")
-                               else target_model.model.embed_tokens, who, "embedding")
+            emb = shared_table(target_embedding_layer(target_model), who, "embedding")
             out = getattr(target_model, "lm_head", None)
             lm_head = None if getattr(out, "weight", None) is None else shared_table(out, who, "LM head")
         self._set_head(load_eagle_head(self.path, target_embedding=emb, target_lm_head=lm_head, dtype=self.dtype,

@@ -253,6 +253,13 @@ class _TreeSession(LevelSession):
         return logits  # [B, n, V_draft]
 
 
+def target_embedding_layer(target_model) -> torch.nn.Module:
+    """The target's input embedding module (vLLM's VocabParallelEmbedding in vLLM models)."""
+    if hasattr(target_model, "get_input_embeddings"):
+        return target_model.get_input_embeddings()
+    return target_model.model.embed_tokens
+
+
 def shared_table(layer: torch.nn.Module, who: str, what: str):
     """A function returning the target's full [V, H] table of `layer` (its embedding / LM head), called by
     the head's loader only if the checkpoint lacks the tensor. Under tensor parallelism it all-gathers the
@@ -312,8 +319,7 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
             return
         emb = None
         if target_model is not None:
-            emb = shared_table(target_model.get_input_embeddings() if hasattr(target_model, "get_input_embeddings")
-                               else target_model.model.embed_tokens, f"EAGLE-3 head {self.path}", "embedding")
+            emb = shared_table(target_embedding_layer(target_model), f"EAGLE-3 head {self.path}", "embedding")
         self._set_head(load_head(self.path, target_embedding=emb, dtype=self.dtype, device=self.device))
 
     def networks(self) -> list[torch.nn.Module]:

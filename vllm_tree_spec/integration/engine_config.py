@@ -114,7 +114,6 @@ def _check_dsv4_nvidia(cfg, model_config, parallel_config, engine_args) -> None:
 
 def _check_v2(cfg, model_config, parallel_config, engine_args) -> None:
     """Refuse, at start-up on Model Runner V2, what its tree adapter does not support (each names the fix)."""
-    arch = (getattr(model_config.hf_config, "architectures", None) or [""])[0] or "this model"
     if getattr(engine_args, "async_scheduling", None):
         raise TreeSpecError("tree speculation on Model Runner V2 does not support async scheduling (the tree step "
                             "is built from host-side sequence lengths, which async scheduling only bounds); "

@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from vllm_tree_spec.integration.dsv4 import layout
 from vllm_tree_spec.integration.dsv4.nvidia import hooks, refusals
 from vllm_tree_spec.integration.dsv4.nvidia.caches import CSA, find_caches
