@@ -1,18 +1,14 @@
-"""`make demo`'s configurations (serve_compare.py): the EAGLE-3 pair first, both without prefix caching."""
+"""`make demo`'s configurations (serve_compare.py): the EAGLE-3 pair first, at equal budget."""
 
-from vllm_tree_spec.serve_compare import configs, server_args
+from vllm_tree_spec.serve_compare import configs
 
 
-def test_eagle3_pair_first_and_both_without_prefix_caching():
+def test_eagle3_pair_first_at_equal_budget():
     rows = configs(6, "HEAD")
     assert [name for name, _ in rows[:3]] == ["no speculation", "vLLM eagle3, linear k=6", "tree eagle3, 6 nodes"]
     assert rows[1][1]["num_speculative_tokens"] == rows[2][1]["num_speculative_tokens"] == 6  # equal budget
     for _, spec in rows[1:3]:
         assert spec["model"] == "HEAD"
-        assert server_args(spec) == ["--no-enable-prefix-caching"]
-    for _, spec in [rows[0], *rows[3:]]:  # the rest keep vLLM's default (prefix caching on)
-        assert server_args(spec) == []
-    assert server_args({"method": "tree", "drafter": "eagle", "model": "H"}) == ["--no-enable-prefix-caching"]
 
 
 def test_no_head_no_eagle_rows():

@@ -62,6 +62,7 @@ def test_every_kernel_under_the_changed_interpreter_has_a_reference(served):
     assert changed and changed <= REFERENCED, f"add PyTorch references for {changed - REFERENCED}"
 
 
+@pytest.mark.extended  # ~25 s: the V2 tree engine's causal-mask control runs by default
 def test_a_wrong_position_in_v2_changes_the_output(served):
     """Negative control: the greedy comparison sees a position off by one on the V2 path."""
     model, tmp, runs = served

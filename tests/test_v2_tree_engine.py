@@ -144,7 +144,7 @@ def test_eagle_heads_read_the_targets_hidden_states(tiny_models, tmp_path):
     random head, the target's auxiliary layers) branching trees stay greedy-identical."""
     from tiny_eagle3 import make_copy_pair, make_tiny_eagle3
 
-    no_prefix_cache = dict(enable_prefix_caching=False)  # the EAGLE tree drafters refuse it (docs/integration.md)
+    no_prefix_cache = dict(enable_prefix_caching=False)  # every prefill computed (prefix-cache hits: V1 tests)
     target, head = (str(p) for p in make_copy_pair(tiny_models.root, tiny_models.tokenizer(VOCAB)))
     raw = repetitive_prompts(4, VOCAB, seed=3)
     base = run_engine(target, raw, max_tokens=31, runner="V1", tmp_dir=tmp_path / "base1", **no_prefix_cache)
@@ -165,6 +165,28 @@ def test_eagle_heads_read_the_targets_hidden_states(tiny_models, tmp_path):
     assert run["outputs"] == base["outputs"]
     s = run["tree_stats"]
     assert s["rounds"] > 50 and s["branching_rounds"] == s["rounds"] and s["drafter_failures"] == 0, s
+
+
+@ALL
+def test_eagle3_trees_with_prefix_caching(tiny_models, tmp_path):
+    """EAGLE-3 on V2 with vLLM's prefix caching: every prompt twice in one call (the copies hit the blocks
+    the originals write in the same step); the head's KV for every cached token is restored from its pages
+    and the output is identical to V1 without speculation."""
+    from tiny_eagle3 import make_tiny_eagle3
+
+    model = str(tiny_models.llama(vocab_size=VOCAB, num_layers=2, seed=0, initializer_range=0.08))
+    head3 = str(make_tiny_eagle3(tiny_models.root / "eagle3-engine", model, aux_layer_ids=(0, 1, 2)))
+    short = repetitive_prompts(5, VOCAB, seed=7)
+    raw = [short[i] + short[i + 1] for i in range(4)]  # 49..55 tokens: one whole 32-token block each
+    base = run_engine(model, raw, max_tokens=16, runner="V1", tmp_dir=tmp_path / "base", enable_prefix_caching=False)
+    run = run_engine(model, raw * 2, max_tokens=16, runner="V2", tmp_dir=tmp_path / "eagle3", max_num_seqs=8,
+                     enable_prefix_caching=True, block_size=32,
+                     speculative_config={"method": "tree", "drafter": "eagle3", "model": head3,
+                                         "tree": "s3_k2_d6", "budgets": {"64": 5}})
+    assert run["outputs"] == base["outputs"] * 2
+    hits, pages = sum(run["num_cached_tokens"]), run["prefix_stats"]
+    assert hits >= 32 * len(raw) and pages["restored"] == hits and pages["missing"] == pages["dropped"] == 0, pages
+    assert run["tree_stats"]["rounds"] > 20 and run["tree_stats"]["drafter_failures"] == 0, run["tree_stats"]
 
 
 @ALL

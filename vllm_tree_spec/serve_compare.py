@@ -24,8 +24,7 @@ windows), and whether the text equals the run without speculation.
 The EAGLE-3 pair comes first (the head shipped for the embedded model,
 `vllm-tree-spec model-path smollm2-eagle3`): it is the drafter family where
 trees are known to pay, because a trained head's second and third guesses
-carry real probability. Both EAGLE-3 servers run without prefix caching (the
-tree drafter needs the target's features at every committed position).
+carry real probability. Every server keeps vLLM's default prefix caching.
 """
 
 from __future__ import annotations
@@ -109,13 +108,6 @@ class RunResult:
         return 1 + self.accepted / self.drafts if self.drafts else None
 
 
-def server_args(spec: dict | None) -> list[str]:
-    """EAGLE heads (linear eagle/eagle3, tree drafters eagle/eagle3) run without prefix caching: the tree
-    drafters refuse it (the head needs the target's features at every position), so both rows of a pair do."""
-    uses_head = spec is not None and any(str(spec.get(k, "")).startswith("eagle") for k in ("method", "drafter"))
-    return ["--no-enable-prefix-caching"] if uses_head else []
-
-
 def chat(base: str, model: str, prompt: str, max_tokens: int) -> dict:
     """One greedy chat completion."""
     return post_json(base + "/v1/chat/completions", {
@@ -142,8 +134,8 @@ def run_session(configs: list[tuple[str, dict | None]], model: str, max_tokens: 
     """Every configuration's server up together, warmed up; then window w to each in turn (ABBA order)."""
     results = [RunResult(name, spec) for name, spec in configs]
     with ExitStack() as stack:
-        bases = [stack.enter_context(launched(model, spec, name=name, log_dir=log_dir, max_num_seqs=concurrency,
-                                              extra_args=server_args(spec))).base for name, spec in configs]
+        bases = [stack.enter_context(launched(model, spec, name=name, log_dir=log_dir,
+                                              max_num_seqs=concurrency)).base for name, spec in configs]
         for base in bases:
             chat(base, model, WARMUP, max_tokens)
         for w in range(repeats):

@@ -46,6 +46,7 @@ class EngineRun:
     tree_stats: dict | None = None
     isas: set = field(default_factory=set)  # CPU_ATTN ISAs of the tree engine's layers (vLLM's choice)
     drafter_linears: tuple[int, int] = (0, 0)  # (on vLLM's CPU GEMM, all) linear layers of the drafter's networks
+    prefix_stats: dict | None = None  # the EAGLE drafters' prefix-cache counters (drafters/prefix_pages.py)
 
 
 def tree_runner(llm):
@@ -81,8 +82,9 @@ def run_engine(model: str, prompts, params, spec: dict | None = None, patches=()
             nets = getattr(runner.drafter.drafter, "networks", lambda: [])()
             layers = [m for net in nets for m in net.modules() if isinstance(m, torch.nn.Linear)]
             linears = (sum(bool(getattr(m, "_tree_cpu_gemm", False)) for m in layers), len(layers))
+        prefix = getattr(getattr(runner, "tree_stats", None), "prefix", None)
         return EngineRun([list(o.outputs[0].token_ids) for o in outs], [o.outputs[0].text for o in outs], metrics,
-                         stats, isas, linears)
+                         stats, isas, linears, prefix.as_dict() if prefix is not None else None)
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm

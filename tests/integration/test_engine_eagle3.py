@@ -1,14 +1,15 @@
 """The EAGLE tree drafters inside vLLM (eagle3 and EAGLE-1 `eagle`).
 
 Greedy identity for static, dynamic and sampled trees; vLLM's linear eagle3 / eagle on the same head
-directory; the exact output law of the sampled modes (chi-square over 3 generated positions, the
-machinery of test_engine_sampling.py, with an EAGLE-3 head whose draft vocabulary is 32 of the 48
-target tokens, so q is 0 outside it); and a head that copies the target (q = p), whose every draft
+directory; vLLM's prefix caching (the head's KV for cached tokens restored from its pages: the same trees
+as without the hit, and a control with the pages unreachable); the exact output law of the sampled modes
+(chi-square over 3 generated positions, the machinery of test_engine_sampling.py, with an EAGLE-3 head
+whose draft vocabulary is 32 of the 48 target tokens, so q is 0 outside it; prefix caching on, so all but
+the first request draft from restored KV); and a head that copies the target (q = p), whose every draft
 node is accepted.
 """
 
 import sys
-from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from tiny_eagle3 import make_copy_pair, make_tiny_eagle, make_tiny_eagle3  # noq
 
 VOCAB = 2048
 MAX_TOKENS = 32
-NO_PREFIX_CACHE = dict(enable_prefix_caching=False)  # the eagle3 tree drafter refuses prefix caching (for now)
+NO_PREFIX_CACHE = dict(enable_prefix_caching=False)  # each round serves fresh (prefix caching: its own test)
 
 
 @pytest.fixture(scope="module")
@@ -75,12 +76,99 @@ def test_vllm_linear_eagle_loads_the_same_head(setup, method):
     assert run.metrics.get("num_drafts"), run.metrics
 
 
-@pytest.mark.vllm
-def test_eagle3_refuses_prefix_caching(setup):
+@pytest.fixture(scope="module")
+def long_setup(setup):
+    """Eight prompts of 50..66 tokens (two of setup's each: one or two whole 32-token blocks to hit) and their
+    greedy output without speculation."""
+    from vllm.inputs import TokensPrompt
+
     model, heads, raw, prompts, params, base = setup
-    with pytest.raises(Exception, match="prefix caching"):
-        run_engine(model, prompts[:1], params, {"method": "tree", "drafter": "eagle3", "model": heads["eagle3"]},
-                   enable_prefix_caching=True)
+    long_raw = [raw[i] + raw[i + 1] for i in range(8)]
+    long_prompts = [TokensPrompt(prompt_token_ids=p) for p in long_raw]
+    return model, heads, long_raw, long_prompts, params, run_engine(model, long_prompts, params, **NO_PREFIX_CACHE)
+
+
+def serve_with_prefix_cache(model, spec, prompts, params, same_step: bool = False, patches=()):
+    """One engine with vLLM's prefix caching (32-token blocks) serving every prompt twice: in two rounds (the
+    second hits the blocks the first wrote), or `same_step`: both copies in one call (the copies hit blocks
+    the originals write in the same step). Returns (outputs of the originals, of the copies, vLLM's cached
+    tokens of the copies, the trees drafted for each {context: tree tokens}, the drafter's prefix stats and
+    the runner's log line)."""
+    from engine_utils import tree_runner
+    from vllm import LLM
+
+    for obj, name, value in patches:
+        setattr(obj, name, value)
+    llm = LLM(model=model, dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=2 * len(prompts),
+              seed=0, speculative_config=spec, enable_prefix_caching=True, block_size=32)
+    try:
+        runner = tree_runner(llm)
+        drafter = runner.drafter.drafter
+        propose, trees = drafter.propose, [{}, {}]
+
+        def recording(requests, budgets):  # the tree drafted at every context, by copy
+            props = propose(requests, budgets)
+            for r, prop in zip(requests, props):
+                trees[int(str(r.req_id).split("-")[0]) >= len(prompts)][tuple(map(int, r.token_ids))] = \
+                    prop.tree.tokens.tolist()
+            return props
+
+        drafter.propose = recording
+        if same_step:
+            outs = llm.generate(list(prompts) * 2, params, use_tqdm=False)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts, params, use_tqdm=False)
+        hits = sum(o.num_cached_tokens or 0 for o in outs[len(prompts):])
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        pages = dict(drafter.prefix_stats.as_dict(), log=runner.tree_stats.summary())
+        return tokens[: len(prompts)], tokens[len(prompts):], hits, trees, pages
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("drafter,same_step", [("eagle3", False), ("eagle3", True),
+                                               pytest.param("eagle", False, marks=pytest.mark.extended)])
+def test_eagle_tree_serves_with_prefix_caching(long_setup, drafter, same_step):
+    """vLLM's default prefix caching: a prompt served again starts with its blocks cached, so the target
+    computes no features there; the head restores its KV for every cached token from its pages (written in
+    an earlier step, or in the same step by the request it shares them with). Greedy output identical to no
+    speculation, and the copies draft exactly the originals' trees."""
+    model, heads, raw, prompts, params, base = long_setup
+    spec = {"method": "tree", "drafter": drafter, "model": heads[drafter], "tree": STATIC, **FULL}
+    first, second, hits, trees, pages = serve_with_prefix_cache(model, spec, prompts, params, same_step)
+    for out in (first, second):
+        compare_greedy(base.outputs, out, raw, TieChecker(model))
+    print(f"{drafter} same_step={same_step}: vLLM cached {hits} tokens; pages {pages}; {len(trees[1])} trees")
+    assert hits >= 32 * len(raw), hits  # every copy hits at least one block
+    assert pages["hits"] == len(raw) and pages["restored"] == hits, pages
+    assert pages["dropped"] == pages["missing"] == 0, pages
+    assert f"prefix-cache hits {len(raw)}: draft KV restored for {hits} tokens, missing 0" in pages["log"]
+    assert trees[1].keys() == trees[0].keys() and len(trees[1]) > 10 * len(raw)
+    assert trees[1] == trees[0]  # at every context, the copy drafts the original's tree
+
+
+@pytest.mark.vllm
+@pytest.mark.extended
+def test_prefix_hit_without_pages_drafts_from_holes(long_setup):
+    """Control: with the pages made unreachable every cached token is a hole. Output stays greedy-identical
+    (drafts are only proposals), the drafter says how many entries it lacked, and its trees change."""
+    from vllm_tree_spec.drafters.prefix_pages import PrefixPages
+
+    model, heads, raw, prompts, params, base = long_setup
+    spec = {"method": "tree", "drafter": "eagle3", "model": heads["eagle3"], "tree": STATIC, **FULL}
+    get = PrefixPages.get
+    try:
+        first, second, hits, trees, pages = serve_with_prefix_cache(
+            model, spec, prompts, params, patches=[(PrefixPages, "get", lambda self, key: None)])
+    finally:
+        PrefixPages.get = get
+    compare_greedy(base.outputs, second, raw, TieChecker(model))
+    changed = sum(trees[1][c] != trees[0][c] for c in trees[1])
+    print(f"holes: vLLM cached {hits} tokens in round 2; pages {pages}; {changed} of {len(trees[1])} trees changed")
+    assert pages["missing"] == hits > 0 and pages["restored"] == 0, pages
+    assert changed > len(trees[1]) // 4, changed
 
 
 # -- the exact law of the sampled modes -------------------------------------------------------------
@@ -94,7 +182,12 @@ EXACT = {
 
 @pytest.fixture(scope="module")
 def law_setup(tiny_models):
+    import torch
+
     path, model, prompt = es.setup.__wrapped__(tiny_models)  # the 48-token peaked target and its prompt
+    with torch.no_grad():  # 32 more greedy tokens: 64, so every request after the first hits the first block
+        for _ in range(32):
+            prompt = prompt + [int(model(torch.tensor([prompt])).logits[0, -1].argmax())]
     # small weights: a flat q over its 32 tokens, so the peaked target accepts many drafts
     head = make_tiny_eagle3(tiny_models.root / "eagle3-v48", path, draft_vocab=32, aux_layer_ids=(0, 1, 2),
                             std=0.01)
@@ -104,15 +197,18 @@ def law_setup(tiny_models):
 @pytest.mark.vllm
 @pytest.mark.stats
 @pytest.mark.parametrize("mode", list(EXACT))
-def test_eagle3_sampling_law_is_exact(law_setup, mode, monkeypatch):
+def test_eagle3_sampling_law_is_exact(law_setup, mode):
     """Sampled EAGLE-3 trees (i.i.d. and without replacement, q over a 32-token draft vocabulary mapped
-    to target ids) leave (t1, t2, t3) with exactly the target's law, for every sampling parameter."""
+    to target ids) leave (t1, t2, t3) with exactly the target's law, for every sampling parameter. With
+    vLLM's default prefix caching: every request after the first hits the prompt's block, so the head
+    drafts from restored KV."""
     path, model, prompt, head = law_setup
-    monkeypatch.setattr(es, "run_engine", partial(run_engine, **NO_PREFIX_CACHE))
     spec = {"method": "tree", "drafter": "eagle3", "model": head, **EXACT[mode]}
     run, counts = es.sample(path, prompt, spec, es.COMBINED)
     s = run.tree_stats
-    print(f"eagle3 {mode}: {s['rounds']} rounds, {s['accepted']} accepted, per depth {s['accepted_per_depth']}")
+    print(f"eagle3 {mode}: {s['rounds']} rounds, {s['accepted']} accepted, per depth {s['accepted_per_depth']}; "
+          f"prefix {run.prefix_stats}")
+    assert run.prefix_stats["restored"] > 0 and run.prefix_stats["missing"] == 0, run.prefix_stats
     assert s["rounds"] > es.N_SET and s["accepted"] > es.N_SET // 10, f"too few drafts accepted: {s}"
     failures = es.check_sets((path, model, prompt), "float32", {}, es.COMBINED, counts)
     assert not failures, "\n".join(failures)

@@ -23,7 +23,7 @@ from tiny_models import TOKENIZER_EXTRA_FILES, build_tiny_llama  # noqa: E402
 
 VOCAB = 2000  # not a multiple of 64: vLLM pads the vocab-parallel tables to 2048 rows
 MAX_TOKENS = 24
-NO_PREFIX_CACHE = dict(enable_prefix_caching=False)  # the EAGLE tree drafters refuse prefix caching
+NO_PREFIX_CACHE = dict(enable_prefix_caching=False)  # fresh prefills (prefix caching: test_engine_eagle3.py)
 TREE = {"tree": "[(0,), (1,), (0, 0), (1, 0), (0, 0, 0)]", "budgets": {"64": 5}}
 
 

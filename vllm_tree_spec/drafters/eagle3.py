@@ -17,6 +17,9 @@ is q at the root row.
   forward, writing their KV into the slots in place (the LM head runs on the
   last entry only: q at the root). If the committed tokens no longer match
   the entries (the caller rewound), the length is cut to the common prefix.
+* **Prefix-cache hits.** A request whose first N tokens hit vLLM's prefix cache gets target rows from
+  N only; its entries 0..N-1 are restored from the content-keyed pages every request archives as it goes
+  (`prefix_pages.py`). Entries no page holds are holes: masked out of the head's attention (`valid`).
 * **One forward per tree level, all requests.** A node at depth d with token
   y is the entry (y, g' of its parent) at position n - 2 + d, where g' is the
   head's own pre-norm output (at the root: the last committed entry's). Tree
@@ -58,6 +61,7 @@ from vllm_tree_spec.drafters.draft_model import (
 )
 from vllm_tree_spec.drafters.eagle3_head import Eagle3Head, load_head, to_target_vocab
 from vllm_tree_spec.drafters.policy import TreePolicy, parse_policy
+from vllm_tree_spec.drafters.prefix_pages import PrefixPages, PrefixStats, chain_keys, page_tokens_for
 from vllm_tree_spec.drafters.suffix import as_int_list
 
 __all__ = ["Eagle3TreeDrafter", "WITHOUT_REPLACEMENT_FLOOR"]
@@ -79,6 +83,8 @@ class _KVStore:
         self.layers: list[list[torch.Tensor]] = [[self._empty(0, 0), self._empty(0, 0)] for _ in range(layers)]
         self.free: list[int] = []
         self.num_slots = 0
+        self.valid = torch.ones(0, 0, dtype=torch.bool, device=device)  # [rows, capacity] False: a hole
+        self.has_holes = False
 
     def _empty(self, slots: int, cols: int) -> torch.Tensor:
         return torch.zeros(slots, self.shape[0], cols, self.shape[1], dtype=self.dtype, device=self.device)
@@ -94,6 +100,8 @@ class _KVStore:
         return self.num_slots - 1
 
     def release(self, slot: int) -> None:
+        if slot < self.valid.shape[0]:
+            self.valid[slot] = True
         self.free.append(slot)
         self.free.sort(reverse=True)  # lowest slot first: active requests stay packed at the front
 
@@ -108,6 +116,9 @@ class _KVStore:
                 new = self._empty(rows, cap)
                 new[: old.shape[0], :, : old.shape[2]] = old
                 layer[j] = new
+        valid = torch.ones(rows, cap, dtype=torch.bool, device=self.device)
+        valid[: self.valid.shape[0], : self.valid.shape[1]] = self.valid
+        self.valid = valid
 
     def batch(self, slots: list[int], cols: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
         """Per layer KV [B, H_kv, >= cols, D] of these slots in this order: a view if they are consecutive
@@ -118,6 +129,12 @@ class _KVStore:
             return [(k[s0: s0 + len(slots)], v[s0: s0 + len(slots)]) for k, v in self.layers], True
         idx = torch.tensor(slots, device=self.device)
         return [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.layers], False
+
+    def valid_rows(self, slots: list[int], cols: int) -> torch.Tensor | None:
+        """[B, cols] False at hole columns of these slots (None while no slot has holes)."""
+        if not self.has_holes:
+            return None
+        return self.valid[torch.tensor(slots, device=self.device), :cols]
 
     def write_back(self, cache, slots: list[int], spans: list[tuple[int, int]]) -> None:
         """Copy columns [a, b) of batch row i back to slot slots[i] (after a forward on a copy)."""
@@ -146,6 +163,11 @@ class _Features:
         self.buf[pos.to(self.buf.device)] = feats
         self.have[pos.cpu()] = True
 
+    def first(self) -> int | None:
+        """The first position with a feature (None: none held)."""
+        idx = self.have.nonzero()
+        return int(idx[0]) if len(idx) else None
+
     def take(self, first: int, count: int) -> torch.Tensor:
         """Features at positions first .. first + count - 1 [count, F]; drops them and everything before."""
         end = first + count
@@ -154,7 +176,7 @@ class _Features:
             missing = [first + j for j in range(count) if j >= have.shape[0] or not have[j]]
             raise DrafterError(
                 f"EAGLE drafter: no target hidden states for positions {missing[:4]} (the target did not "
-                f"compute them, e.g. prefix-cached blocks); serve the EAGLE tree drafters without prefix caching")
+                f"compute them and no prefix-cache page covers them)")
         out = self.buf[first:end]
         self.have[:end] = False  # consumed (or stale)
         return out
@@ -169,6 +191,9 @@ class _RequestState:
     root_logits: torch.Tensor | None = None  # [V_draft] output of the last entry (q at the root row)
     root_feature: torch.Tensor | None = None  # [H] its pre-norm output (g' for depth-1 nodes)
     generator: torch.Generator | None = None
+    keys: list[bytes] = field(default_factory=list)  # prefix-page keys of pages 0.. (prefix_pages.chain_keys)
+    archived: int = 0  # pages 0..archived-1 are archived (or holes of a prefix hit)
+    tainted: bool = False  # holes feed into later entries (heads of > 1 layer): archive nothing more
 
 
 class _TreeSession(LevelSession):
@@ -245,6 +270,9 @@ class _TreeSession(LevelSession):
         anc[:, torch.arange(width, device=device), own] = True
         self.anc[:, s0: s0 + width] = anc
         committed = torch.arange(self.l_max, device=device) < self.lengths[:, None]  # [B, L_max]
+        valid = self.drafter.store.valid_rows(self.slots, self.l_max)
+        if valid is not None:
+            committed = committed & valid
         mask = torch.cat([committed[:, None].expand(batch, width, self.l_max), anc[:, :, : s0 + width]], -1)
         with torch.no_grad():
             logits, g_next = head(ids_t, g, pos, mask, self.cache, (self.l_max + own).expand(batch, width))
@@ -305,6 +333,10 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
         if head is not None:
             self._set_head(head)
         self._states: dict[Hashable, _RequestState] = {}
+        self._pages_cfg: tuple[int, Any] | None = None  # (page tokens, capacity in tokens or its getter)
+        self._pages: PrefixPages | None = None
+        # counts of restored / dropped / missing entries on prefix-cache hits (None: prefix caching off)
+        self.prefix_stats: PrefixStats | None = None
 
     def _set_head(self, head: Eagle3Head) -> None:
         self.head = head.to(self.device, self.dtype).eval()
@@ -324,6 +356,22 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
 
     def networks(self) -> list[torch.nn.Module]:
         return [] if self.head is None else [self.head]
+
+    def enable_prefix_pages(self, block_size: int, capacity_tokens: int | Any) -> None:
+        """Serve with vLLM's prefix caching: archive the head's committed KV by content (prefix_pages.py) and
+        restore it on hits. capacity_tokens: the target cache's token capacity, or a function returning it
+        (read at the first archive: vLLM sizes its cache after the drafter is built)."""
+        self._pages_cfg = (page_tokens_for(block_size), capacity_tokens)
+        self.prefix_stats = PrefixStats()
+
+    def _prefix_pages(self) -> PrefixPages:
+        if self._pages is None:
+            page, cap = self._pages_cfg
+            tokens = int(cap() if callable(cap) else cap)
+            c = self.head.cfg
+            self._pages = PrefixPages(c.layers, c.kv_heads, c.head_dim, self.dtype, page, tokens // page,
+                                      pin=self.device.type == "cuda", stats=self.prefix_stats)
+        return self._pages
 
     @property
     def aux_layer_ids(self) -> tuple[int, ...] | None:
@@ -370,9 +418,12 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
     # -- committed entries ------------------------------------------------------
 
     def _prepare(self, requests: list[DraftRequest]) -> list[_RequestState]:
-        """Feed every request's new committed entries through the head in one forward."""
+        """Feed every request's new committed entries through the head in one forward (and one more per
+        prefix-cache hit length in the batch)."""
         states = [self._states[r.req_id] for r in requests]
         todo: list[tuple[_RequestState, int, list[int]]] = []  # (state, first entry, entry tokens)
+        fed: list[tuple[_RequestState, list[int]]] = []  # (state, committed tokens) of every request in todo
+        hits: dict[int, list[tuple[_RequestState, int, list[int]]]] = {}  # prefix-cache hits by their length
         for st, req in zip(states, requests):
             tokens = as_int_list(req.token_ids)
             want = tokens[1:]  # entry t's token x_{t+1}, t = 0..n-2
@@ -386,10 +437,95 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
             if keep < st.length:
                 st.length = keep
                 del st.entry_tokens[keep:]
-            todo.append((st, keep, want[keep:]))
+                st.archived = min(st.archived, keep // self._page_size())
+                del st.keys[st.archived:]
+            first = st.features.first()
+            if first is not None and keep < first and self._pages_cfg is not None:  # the target began at `first`
+                hits.setdefault(first, []).append((st, keep, tokens))
+            else:
+                todo.append((st, keep, want[keep:]))
+                fed.append((st, tokens))
+        self._feed_and_archive(todo, fed)
+        # A hit may read pages that requests of this step write (vLLM serves blocks scheduled in the same step):
+        # restore after they are fed, shortest hit first (a request writes pages only past its own hit).
+        for first in sorted(hits):
+            group = hits[first]
+            for st, keep, tokens in group:
+                self._restore(st, tokens, keep, first)
+            self._feed_and_archive([(st, first, tokens[first + 1:]) for st, _, tokens in group],
+                                   [(st, tokens) for st, _, tokens in group])
+        return states
+
+    def _feed_and_archive(self, todo: list[tuple[_RequestState, int, list[int]]],
+                          fed: list[tuple[_RequestState, list[int]]]) -> None:
         if todo:
             self._feed(todo)
-        return states
+        if self._pages_cfg is not None:
+            for st, tokens in fed:
+                self._archive(st, tokens)
+
+    def _page_size(self) -> int:
+        return self._pages_cfg[0] if self._pages_cfg is not None else 1
+
+    def _restore(self, st: _RequestState, tokens: list[int], keep: int, first: int) -> int:
+        """Entries keep..first-1, which the target did not compute (a prefix-cache hit), from the archive's
+        pages; what no page holds becomes a hole (masked). Returns the new length, `first`."""
+        pages, store = self._prefix_pages(), self.store
+        size = pages.page
+        stats = pages.stats
+        stats.hits += 1
+        j0, j1 = keep // size, first // size  # pages j0..j1-1 lie in the hit; entries past j1 * size: holes
+        keys = st.keys[:j0]
+        keys += chain_keys(tokens[: j1 * size], size, first=len(keys), prev=keys[-1] if keys else b"")
+        found = []
+        for key in keys[j0:]:
+            got = pages.get(key)
+            if got is None:
+                break
+            found.append(got)
+        end = (j0 + len(found)) * size  # pages cover entries j0 * size .. end - 1
+        restored = keep  # entries keep..restored-1 come from pages (those before keep are the request's own)
+        store.reserve(first + TREE_RESERVE)
+        if end > keep:
+            # page by page onto the device: copies from pinned pages stay stream-ordered after their archiving
+            kv = torch.stack([pg.to(self.device, non_blocking=True) for pg, _ in found])  # [m, layers, 2, H, P, D]
+            kv = kv.permute(1, 2, 3, 0, 4, 5).flatten(3, 4)[..., keep - j0 * size:, :]  # [layers, 2, H_kv, n, D]
+            for layer, (k, v) in enumerate(store.layers):
+                k[st.slot, :, keep:end] = kv[layer, 0]
+                v[st.slot, :, keep:end] = kv[layer, 1]
+            restored = end
+        store.valid[st.slot, keep:first] = True
+        # A page's last entry read the token after the page, which its key does not cover: where the writer's
+        # differs from ours, that entry is dropped (a hole).
+        dropped = [(j + 1) * size - 1 for j, (_, nxt) in enumerate(found, j0)
+                   if (j + 1) * size - 1 >= keep and nxt != tokens[(j + 1) * size]]
+        holes = len(dropped) + first - restored
+        stats.restored += restored - keep - len(dropped)
+        stats.dropped += len(dropped)
+        stats.missing += first - restored
+        if holes:
+            store.valid[st.slot, dropped] = False
+            store.valid[st.slot, restored:first] = False
+            store.has_holes = True
+            st.tainted = st.tainted or self.head.cfg.layers > 1
+        st.length = first
+        st.entry_tokens[keep:] = tokens[keep + 1: first + 1]
+        st.keys, st.archived = keys, -(-first // size)  # a page with holes is never archived
+        return first
+
+    def _archive(self, st: _RequestState, tokens: list[int]) -> None:
+        """Archive the pages this request completed (all entries computed, none a hole)."""
+        size = self._pages_cfg[0]
+        full = st.length // size
+        if st.tainted or full <= st.archived:
+            return
+        pages = self._prefix_pages()
+        st.keys += chain_keys(tokens[: full * size], size, first=len(st.keys), prev=st.keys[-1] if st.keys else b"")
+        for j in range(st.archived, full):
+            cols = slice(j * size, (j + 1) * size)
+            pages.put(st.keys[j], [(k[st.slot, :, cols], v[st.slot, :, cols]) for k, v in self.store.layers],
+                      tokens[(j + 1) * size])
+        st.archived = full
 
     def _feed(self, todo: list[tuple[_RequestState, int, list[int]]]) -> None:
         """New entries of several requests: one forward, KV written into each request's slot."""
@@ -407,6 +543,12 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
         mask = torch.arange(n_cols, device=device) <= cols[..., None]  # [B, n, L] own prefix, causal
         slots = [st.slot for st, _, _ in todo]
         cache, is_view = self.store.batch(slots, n_cols)
+        valid = self.store.valid_rows(slots, n_cols)
+        if valid is not None:
+            for b, (st, first, _) in enumerate(todo):
+                valid[b, first:] = True  # columns this feed writes (padding rows: scratch)
+                self.store.valid[st.slot, first: first + counts[b]] = True
+            mask = mask & valid[:, None]
         last = torch.tensor(counts, device=device) - 1  # [B]
         with torch.no_grad():
             logits, g_next = head(ids.to(device), head.combine(feats), cols, mask, cache, cols, rows=last)

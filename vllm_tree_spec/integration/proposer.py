@@ -89,16 +89,17 @@ def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
         from vllm_tree_spec.drafters.eagle import EagleTreeDrafter
         from vllm_tree_spec.drafters.eagle3 import Eagle3TreeDrafter
 
-        cache = getattr(vllm_config, "cache_config", None)
-        if getattr(cache, "enable_prefix_caching", False):
-            # The head needs the target's features at every committed position; prefix-cached blocks
-            # are never recomputed, so their features never exist.
-            raise ValueError(f"drafter {cfg.drafter!r} does not support prefix caching yet: start the engine with "
-                             "enable_prefix_caching=False (vllm serve: --no-enable-prefix-caching)")
         dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", torch.float32)
         device = getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu"
         cls = Eagle3TreeDrafter if cfg.drafter == "eagle3" else EagleTreeDrafter
-        return cls(None, _model_policy(cfg), path=cfg.model, dtype=dtype, device=device, seed=cfg.seed or 0)
+        drafter = cls(None, _model_policy(cfg), path=cfg.model, dtype=dtype, device=device, seed=cfg.seed or 0)
+        cache = getattr(vllm_config, "cache_config", None)
+        if getattr(cache, "enable_prefix_caching", False):
+            # Prefix-cached blocks are never recomputed, so the head never sees the target's features there:
+            # it restores its KV for them from content-keyed pages, as many as the target's cache holds
+            # (num_gpu_blocks is set once vLLM has sized the cache, before the first step).
+            drafter.enable_prefix_pages(cache.block_size, lambda: (cache.num_gpu_blocks or 0) * cache.block_size)
+        return drafter
     raise NotImplementedError(f"drafter {cfg.drafter!r} is not available in this build of vllm-tree-spec")
 
 
@@ -165,7 +166,9 @@ class TreeProposer:
                 logger.info("drafter %r: %d linear layers on vLLM's CPU GEMM", self.cfg.drafter, routed)
 
     def setup_runner(self, runner) -> None:
-        """After the target is loaded (the runner's load_model): drafters that read its aux hidden states."""
+        """After the target is loaded (the runner's load_model): drafters that read its aux hidden states; the
+        EAGLE drafters' prefix-cache counters join the runner's stats."""
+        runner.tree_stats.prefix = getattr(self.drafter, "prefix_stats", None)
         if getattr(self.drafter, "reads_aux_hidden_states", False):
             from vllm_tree_spec.integration.eagle3_aux import enable_aux_hidden_states
 

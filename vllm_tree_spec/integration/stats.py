@@ -30,6 +30,7 @@ class TreeStats:
     draft_s: float = 0.0
     verify_s: float = 0.0
     commit_s: float = 0.0
+    prefix: object = None  # the EAGLE drafters' PrefixStats (prefix-cache hits; None: not applicable)
     _last_log: float = field(default_factory=time.monotonic)
     _timers: object = None
 
@@ -69,7 +70,15 @@ class TreeStats:
         per_depth = ", ".join(f"{c / self.rounds:.2f}" for c in self.accepted_per_depth if self.rounds) or "-"
         return (f"Tree speculation: rounds {self.rounds}, mean accepted length {self.mean_accepted_length:.2f}, "
                 f"nodes/round {self.nodes / max(1, self.rounds):.1f}, acceptance per depth [{per_depth}], "
-                f"draft {self.draft_s:.2f}s verify {self.verify_s:.2f}s commit {self.commit_s:.2f}s")
+                f"draft {self.draft_s:.2f}s verify {self.verify_s:.2f}s commit {self.commit_s:.2f}s"
+                + self._prefix_summary())
+
+    def _prefix_summary(self) -> str:
+        p = self.prefix
+        if p is None or not p.hits:
+            return ""
+        return (f", prefix-cache hits {p.hits}: draft KV restored for {p.restored} tokens, missing "
+                f"{p.missing + p.dropped} (drafted without them)")
 
     def as_dict(self) -> dict:
         return dict(rounds=self.rounds, nodes=self.nodes, accepted=self.accepted,
