@@ -147,3 +147,30 @@ def test_negative_control_a_wrong_table_moves_the_counts(setup, monkeypatch):
     compare_greedy(base.outputs, wrong.outputs, raw, None)
     print(f"shifted table: {wrong.metrics}")
     assert wrong.metrics["num_accepted_tokens"] < wrong.metrics["num_drafts"] // 4, wrong.metrics
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.extended
+def test_eagle3_tp2_with_prefix_caching_matches_tp1(setup, monkeypatch):
+    """vLLM's prefix caching at TP = 2: every prompt twice in one call (the copies hit the originals' blocks);
+    each rank restores its head's KV from its own pages, so both draft the trees TP = 1 drafts: output and
+    acceptance equal to TP = 1 with prefix caching, output equal to no speculation."""
+    from vllm.inputs import TokensPrompt
+
+    model, heads, raw, _, params, _ = setup
+    long_raw = [raw[i] + raw[i + 1] for i in range(4)] * 2  # 49..57 tokens: one whole 32-token block each
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in long_raw]
+    cache = dict(enable_prefix_caching=True, block_size=32)
+    base = run_engine(model, prompts, params, **NO_PREFIX_CACHE)
+    spec = {"method": "tree", "drafter": "eagle3", "model": heads["eagle3"], **TREE}
+    tp1 = run_engine(model, prompts, params, spec, **cache)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    tp2 = run_engine(model, prompts, params, spec, tensor_parallel_size=2, distributed_executor_backend="mp", **cache)
+    compare_greedy(base.outputs, tp1.outputs, long_raw, None)
+    compare_greedy(base.outputs, tp2.outputs, long_raw, None)
+    assert tp1.prefix_stats["restored"] >= 32 * 4 and tp1.prefix_stats["missing"] == 0, tp1.prefix_stats
+    keys = ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    print(f"prefix caching: TP = 1 {[tp1.metrics[k] for k in keys]}, TP = 2 {[tp2.metrics[k] for k in keys]}; "
+          f"TP = 1 restores {tp1.prefix_stats}")
+    assert {k: tp2.metrics[k] for k in keys} == {k: tp1.metrics[k] for k in keys}, (tp1.metrics, tp2.metrics)

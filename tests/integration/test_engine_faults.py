@@ -78,8 +78,7 @@ def _spec(drafter: str, tiny_models, model: str) -> tuple[dict, dict]:
         draft = str(tiny_models.llama(vocab_size=VOCAB, num_layers=1, seed=1, initializer_range=0.08))
         return {"method": "tree", "drafter": "draft_model", "model": draft, "tree": "s3_k2_d6"}, {}
     head = str(make_tiny_eagle3(tiny_models.root / "eagle3-faults", model, aux_layer_ids=(0, 1, 2)))
-    return ({"method": "tree", "drafter": "eagle3", "model": head, "tree": "s3_k2_d6"},
-            dict(enable_prefix_caching=False))
+    return {"method": "tree", "drafter": "eagle3", "model": head, "tree": "s3_k2_d6"}, {}  # prefix caching on
 
 
 def _external(req_id: str) -> str:
@@ -145,6 +144,8 @@ def test_preemption_and_aborts_leave_no_state(setup, tiny_models, drafter):
         assert rpc == state
         preemptions = sum(getattr(m, "value", 0) or 0 for m in llm.get_metrics() if m.name == "vllm:num_preemptions")
         stats = runner.tree_stats.as_dict()
+        prefix = runner.tree_stats.prefix
+        print(f"{drafter}: {preemptions} preemptions, prefix-cache restores {prefix}")
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
