@@ -235,3 +235,35 @@ def test_copy_head_accepts_every_node(tiny_models):
     assert run.outputs == base.outputs
     s = run.tree_stats
     assert s["rounds"] == 6 * len(raw) and s["accepted"] == 4 * s["rounds"], s
+
+
+@pytest.mark.vllm
+@pytest.mark.extended  # ~25 s; the two-round and same-step cases run by default
+def test_eagle3_continued_conversation_restores_every_cached_token(long_setup):
+    """A conversation's next turn: each prompt + its greedy output + 8 new tokens, served after the first turn
+    in the same engine. The hit covers the first turn's output too, whose last entries the head computed in
+    the request's final step: every cached token is restored, none missing; output identical to no
+    speculation."""
+    from engine_utils import tree_runner
+    from vllm import LLM
+    from vllm.inputs import TokensPrompt
+
+    model, heads, raw, prompts, params, base = long_setup
+    spec = {"method": "tree", "drafter": "eagle3", "model": heads["eagle3"], "tree": STATIC, **FULL}
+    turn2 = [p + out + list(range(100, 108)) for p, out in zip(raw, base.outputs)]
+    ref = run_engine(model, [TokensPrompt(prompt_token_ids=p) for p in turn2], params, **NO_PREFIX_CACHE)
+    llm = LLM(model=model, dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=8, seed=0,
+              speculative_config=spec, enable_prefix_caching=True, block_size=32)
+    try:
+        first = llm.generate(prompts, params, use_tqdm=False)
+        second = llm.generate([TokensPrompt(prompt_token_ids=p) for p in turn2], params, use_tqdm=False)
+        hits = sum(o.num_cached_tokens or 0 for o in second)
+        pages = tree_runner(llm).drafter.drafter.prefix_stats.as_dict()
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+    compare_greedy(base.outputs, [list(o.outputs[0].token_ids) for o in first], raw, TieChecker(model))
+    compare_greedy(ref.outputs, [list(o.outputs[0].token_ids) for o in second], turn2, TieChecker(model))
+    print(f"turn 2: vLLM cached {hits} tokens; pages {pages}")
+    assert hits >= 64 * len(raw), hits  # prompt and output: at least two whole blocks each
+    assert pages["restored"] + pages["dropped"] == hits and pages["missing"] == 0, pages
