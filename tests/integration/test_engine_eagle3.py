@@ -88,6 +88,16 @@ def long_setup(setup):
     return model, heads, long_raw, long_prompts, params, run_engine(model, long_prompts, params, **NO_PREFIX_CACHE)
 
 
+def prefix_metric(drafter: str, kind: str) -> float:
+    """vllm_tree_spec:draft_prefix_tokens_total{drafter, kind} on this process's /metrics registry (0 before the
+    first engine)."""
+    import prometheus_client
+
+    head = f'vllm_tree_spec:draft_prefix_tokens_total{{drafter="{drafter}",kind="{kind}"}}'
+    lines = [ln for ln in prometheus_client.generate_latest().decode().splitlines() if ln.startswith(head)]
+    return float(lines[0].split()[-1]) if lines else 0.0
+
+
 def serve_with_prefix_cache(model, spec, prompts, params, same_step: bool = False, patches=()):
     """One engine with vLLM's prefix caching (32-token blocks) serving every prompt twice: in two rounds (the
     second hits the blocks the first wrote), or `same_step`: both copies in one call (the copies hit blocks
@@ -99,6 +109,7 @@ def serve_with_prefix_cache(model, spec, prompts, params, same_step: bool = Fals
 
     for obj, name, value in patches:
         setattr(obj, name, value)
+    before = prefix_metric(spec["drafter"], "restored")
     llm = LLM(model=model, dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=2 * len(prompts),
               seed=0, speculative_config=spec, enable_prefix_caching=True, block_size=32)
     try:
@@ -120,7 +131,8 @@ def serve_with_prefix_cache(model, spec, prompts, params, same_step: bool = Fals
             outs = llm.generate(prompts, params, use_tqdm=False) + llm.generate(prompts, params, use_tqdm=False)
         hits = sum(o.num_cached_tokens or 0 for o in outs[len(prompts):])
         tokens = [list(o.outputs[0].token_ids) for o in outs]
-        pages = dict(drafter.prefix_stats.as_dict(), log=runner.tree_stats.summary())
+        pages = dict(drafter.prefix_stats.as_dict(), log=runner.tree_stats.summary(),
+                     metric=prefix_metric(spec["drafter"], "restored") - before)
         return tokens[: len(prompts)], tokens[len(prompts):], hits, trees, pages
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -145,6 +157,7 @@ def test_eagle_tree_serves_with_prefix_caching(long_setup, drafter, same_step):
     assert pages["hits"] == len(raw) and pages["restored"] == hits, pages
     assert pages["dropped"] == pages["missing"] == 0, pages
     assert f"prefix-cache hits {len(raw)}: draft KV restored for {hits} tokens, missing 0" in pages["log"]
+    assert pages["metric"] == hits, pages["metric"]  # /metrics: vllm_tree_spec:draft_prefix_tokens_total
     assert trees[1].keys() == trees[0].keys() and len(trees[1]) > 10 * len(raw)
     assert trees[1] == trees[0]  # at every context, the copy drafts the original's tree
 

@@ -124,3 +124,33 @@ class PlanGauges:
 
     def changed(self, n: int = 1) -> None:
         self.changes.labels(drafter=self.drafter).inc(n)
+
+
+class PrefixCounters:
+    """The EAGLE drafters' restores on prefix-cache hits (drafters/prefix_pages.py): requests, and tokens
+    whose draft KV was restored or is missing (drafted without it). Counted by tensor-parallel rank 0 only
+    (every rank restores the same); exported like the plan gauges."""
+
+    def __init__(self, drafter: str):
+        self.label = dict(drafter=drafter)
+        self.hits = _metric("Counter", "vllm_tree_spec:draft_prefix_hits",
+                            "Requests whose draft KV was restored for prefix-cached tokens", ("drafter",))
+        self.tokens = _metric("Counter", "vllm_tree_spec:draft_prefix_tokens",
+                              "Prefix-cached tokens whose draft KV was restored (kind=restored) or is missing "
+                              "(kind=missing: the head drafted without them)", ("drafter", "kind"))
+        self.hits.labels(**self.label).inc(0)
+        for kind in ("restored", "missing"):
+            self.tokens.labels(**self.label, kind=kind).inc(0)
+        self._seen = (0, 0, 0)
+
+    def update(self, stats) -> None:
+        """Add what `stats` (a PrefixStats) counted since the last call."""
+        now = (stats.hits, stats.restored, stats.missing + stats.dropped)
+        hits, restored, missing = (a - b for a, b in zip(now, self._seen))
+        if hits:
+            self.hits.labels(**self.label).inc(hits)
+        if restored:
+            self.tokens.labels(**self.label, kind="restored").inc(restored)
+        if missing:
+            self.tokens.labels(**self.label, kind="missing").inc(missing)
+        self._seen = now

@@ -103,6 +103,16 @@ def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
     raise NotImplementedError(f"drafter {cfg.drafter!r} is not available in this build of vllm-tree-spec")
 
 
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (0 where vLLM's parallel state is not set up)."""
+    try:
+        from vllm.distributed import get_tensor_model_parallel_rank
+
+        return get_tensor_model_parallel_rank()
+    except Exception:  # no model-parallel group (drafters built outside an engine)
+        return 0
+
+
 def chain_plan(cfg: TreeSpecConfig):
     """The rank-0 chain that proposals are pruned to: model-free drafters with `tree` "chain:K" (else None;
     model drafters draft the layout itself). Its length is the slot count: the budget sets the depth."""
@@ -152,6 +162,11 @@ class TreeProposer:
         sched = getattr(vllm_config, "scheduler_config", None)
         self.shape_policy = make_shape_policy(self.cfg, getattr(sched, "max_num_seqs", None))
         self.chain_plan = chain_plan(self.cfg)
+        self.prefix_metrics = None  # the EAGLE drafters' prefix-cache restores on /metrics (metrics.py)
+        if getattr(self.drafter, "prefix_stats", None) is not None and _tp_rank() == 0:
+            from vllm_tree_spec.integration.metrics import PrefixCounters
+
+            self.prefix_metrics = PrefixCounters(self.cfg.drafter)
 
     def load_model(self, target_model) -> None:  # vLLM calls this after loading the target
         load = getattr(self.drafter, "load_model", None)
@@ -218,6 +233,8 @@ class TreeProposer:
             if dt is not None and dt.tree.num_nodes > nodes:
                 raise RuntimeError(f"drafter returned {dt.tree.num_nodes} nodes for a budget of {nodes}")
             out.append(dt)
+        if self.prefix_metrics is not None:
+            self.prefix_metrics.update(self.drafter.prefix_stats)
         stats.add_time("draft", time.perf_counter() - t0)
         return out
 
