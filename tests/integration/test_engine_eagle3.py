@@ -98,7 +98,7 @@ def prefix_metric(drafter: str, kind: str) -> float:
     return float(lines[0].split()[-1]) if lines else 0.0
 
 
-def serve_with_prefix_cache(model, spec, prompts, params, same_step: bool = False, patches=()):
+def serve_with_prefix_cache(model, spec, prompts, params, same_step: bool = False, patches=(), **engine):
     """One engine with vLLM's prefix caching (32-token blocks) serving every prompt twice: in two rounds (the
     second hits the blocks the first wrote), or `same_step`: both copies in one call (the copies hit blocks
     the originals write in the same step). Returns (outputs of the originals, of the copies, vLLM's cached
@@ -111,7 +111,7 @@ def serve_with_prefix_cache(model, spec, prompts, params, same_step: bool = Fals
         setattr(obj, name, value)
     before = prefix_metric(spec["drafter"], "restored")
     llm = LLM(model=model, dtype="float32", max_model_len=512, enforce_eager=True, max_num_seqs=2 * len(prompts),
-              seed=0, speculative_config=spec, enable_prefix_caching=True, block_size=32)
+              seed=0, speculative_config=spec, enable_prefix_caching=True, block_size=32, **engine)
     try:
         runner = tree_runner(llm)
         drafter = runner.drafter.drafter
@@ -139,17 +139,22 @@ def serve_with_prefix_cache(model, spec, prompts, params, same_step: bool = Fals
         del llm
 
 
+CHUNKED = dict(max_num_batched_tokens=64, enable_chunked_prefill=True)  # round 2: 4 of 8 prefilled in 2 chunks
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("drafter,same_step", [("eagle3", False), ("eagle3", True),
-                                               pytest.param("eagle", False, marks=pytest.mark.extended)])
-def test_eagle_tree_serves_with_prefix_caching(long_setup, drafter, same_step):
+@pytest.mark.parametrize("drafter,same_step,engine", [
+    ("eagle3", False, {}), ("eagle3", True, {}),
+    pytest.param("eagle", False, {}, marks=pytest.mark.extended),
+    pytest.param("eagle3", False, CHUNKED, id="eagle3-chunked", marks=pytest.mark.extended)])
+def test_eagle_tree_serves_with_prefix_caching(long_setup, drafter, same_step, engine):
     """vLLM's default prefix caching: a prompt served again starts with its blocks cached, so the target
     computes no features there; the head restores its KV for every cached token from its pages (written in
     an earlier step, or in the same step by the request it shares them with). Greedy output identical to no
     speculation, and the copies draft exactly the originals' trees."""
     model, heads, raw, prompts, params, base = long_setup
     spec = {"method": "tree", "drafter": drafter, "model": heads[drafter], "tree": STATIC, **FULL}
-    first, second, hits, trees, pages = serve_with_prefix_cache(model, spec, prompts, params, same_step)
+    first, second, hits, trees, pages = serve_with_prefix_cache(model, spec, prompts, params, same_step, **engine)
     for out in (first, second):
         compare_greedy(base.outputs, out, raw, TieChecker(model))
     print(f"{drafter} same_step={same_step}: vLLM cached {hits} tokens; pages {pages}; {len(trees[1])} trees")
