@@ -439,8 +439,8 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
                 del st.entry_tokens[keep:]
                 st.archived = min(st.archived, keep // self._page_size())
                 del st.keys[st.archived:]
-            first = st.features.first()
-            if first is not None and keep < first and self._pages_cfg is not None:  # the target began at `first`
+            first = st.features.first() if self._pages_cfg is not None else None
+            if first is not None and keep < first:  # the target began at `first`: a prefix-cache hit
                 hits.setdefault(first, []).append((st, keep, tokens))
             else:
                 todo.append((st, keep, want[keep:]))
