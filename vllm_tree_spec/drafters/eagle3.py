@@ -467,9 +467,9 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
     def _page_size(self) -> int:
         return self._pages_cfg[0] if self._pages_cfg is not None else 1
 
-    def _restore(self, st: _RequestState, tokens: list[int], keep: int, first: int) -> int:
+    def _restore(self, st: _RequestState, tokens: list[int], keep: int, first: int) -> None:
         """Entries keep..first-1, which the target did not compute (a prefix-cache hit), from the archive's
-        pages; what no page holds becomes a hole (masked). Returns the new length, `first`."""
+        pages; what no page holds becomes a hole (masked). The request's length becomes `first`."""
         pages, store = self._prefix_pages(), self.store
         size = pages.page
         stats = pages.stats
@@ -511,7 +511,6 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
         st.length = first
         st.entry_tokens[keep:] = tokens[keep + 1: first + 1]
         st.keys, st.archived = keys, -(-first // size)  # a page with holes is never archived
-        return first
 
     def _archive(self, st: _RequestState, tokens: list[int]) -> None:
         """Archive the pages this request completed (all entries computed, none a hole)."""

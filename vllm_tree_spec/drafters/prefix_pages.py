@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -57,8 +57,8 @@ def chain_keys(tokens, page: int, first: int = 0, prev: bytes = b"") -> list[byt
 
 @dataclass
 class PrefixStats:
-    """Entries of prefix-cache hits: restored from pages, dropped (the hit's last entry, next token differs)
-    and missing (no page: masked)."""
+    """Entries of prefix-cache hits: restored from pages, dropped (a page's last entry whose next token
+    differs from the request's) and missing (no page); dropped and missing entries are masked holes."""
 
     hits: int = 0  # restores: requests whose target rows began past the head's entries (prefix-cache hits)
     restored: int = 0
@@ -66,7 +66,7 @@ class PrefixStats:
     missing: int = 0
     archived_pages: int = 0
     evicted_pages: int = 0
-    resident_pages: int = field(default=0)
+    resident_pages: int = 0
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -91,16 +91,13 @@ class PrefixPages:
         self.pool = torch.empty(0, *self.shape, dtype=dtype)  # [pages, layers, 2, H_kv, P, D]
         self.next_token = torch.empty(0, dtype=torch.long)  # [pages] x_{(j+1)P} the page's last entry read
         self.index: OrderedDict[bytes, int] = OrderedDict()  # key -> pool row, least recently used first
-        self.free: list[int] = []
         self.stats = stats if stats is not None else PrefixStats()
 
     def __contains__(self, key: bytes) -> bool:
         return key in self.index
 
     def _row(self) -> int | None:
-        if self.free:
-            return self.free.pop()
-        used = len(self.index)
+        used = len(self.index)  # rows 0..used-1 are taken (pages are only ever replaced, never dropped)
         if used < self.pool.shape[0]:
             return used
         if used < self.capacity:
