@@ -158,20 +158,29 @@ def test_eagle_heads_read_the_targets_hidden_states(tiny_models, tmp_path):
     model = str(tiny_models.llama(vocab_size=VOCAB, num_layers=2, seed=0, initializer_range=0.08))
     head3 = str(make_tiny_eagle3(tiny_models.root / "eagle3-engine", model, aux_layer_ids=(0, 1, 2)))
     raw = repetitive_prompts(6, VOCAB, seed=7)
+    spec3 = {"method": "tree", "drafter": "eagle3", "model": head3, "tree": "s3_k2_d6", "budgets": {"64": 5}}
     base = run_engine(model, raw, max_tokens=24, runner="V1", tmp_dir=tmp_path / "base3", **no_prefix_cache)
     run = run_engine(model, raw, max_tokens=24, runner="V2", tmp_dir=tmp_path / "eagle3", max_num_seqs=8,
-                     **no_prefix_cache, speculative_config={"method": "tree", "drafter": "eagle3", "model": head3,
-                                                            "tree": "s3_k2_d6", "budgets": {"64": 5}})
+                     **no_prefix_cache, speculative_config=spec3)
     assert run["outputs"] == base["outputs"]
     s = run["tree_stats"]
     assert s["rounds"] > 50 and s["branching_rounds"] == s["rounds"] and s["drafter_failures"] == 0, s
+    # On V2 the head's KV lives in vLLM's paged cache (its layers in the KV-cache config, so in vLLM's block
+    # budget), and drafting from it gives the trees the dense store gives on V1: the same nodes and acceptance
+    kv = run["head_kv"]
+    assert kv["store"] == "PagedHeadKV" and kv["in_kv_cache_config"] and min(kv["cache_blocks"]) >= kv["num_blocks"]
+    dense = run_engine(model, raw, max_tokens=24, runner="V1", tmp_dir=tmp_path / "dense3", max_num_seqs=8,
+                       **no_prefix_cache, speculative_config=spec3)
+    assert dense["outputs"] == base["outputs"] and dense["head_kv"] is None
+    keys = ("rounds", "nodes", "accepted", "accepted_per_depth", "off_first_branch")
+    assert {k: s[k] for k in keys} == {k: dense["tree_stats"][k] for k in keys}
 
 
 @ALL
 def test_eagle3_trees_with_prefix_caching(tiny_models, tmp_path):
     """EAGLE-3 on V2 with vLLM's prefix caching: every prompt twice in one call (the copies hit the blocks
-    the originals write in the same step); the head's KV for every cached token is restored from its pages
-    and the output is identical to V1 without speculation."""
+    the originals write in the same step); the head's KV for every cached token is in the reused blocks,
+    vouched for by the writers' records, and the output is identical to V1 without speculation."""
     from tiny_eagle3 import make_tiny_eagle3
 
     model = str(tiny_models.llama(vocab_size=VOCAB, num_layers=2, seed=0, initializer_range=0.08))
@@ -186,6 +195,8 @@ def test_eagle3_trees_with_prefix_caching(tiny_models, tmp_path):
     assert run["outputs"] == base["outputs"] * 2
     hits, pages = sum(run["num_cached_tokens"]), run["prefix_stats"]
     assert hits >= 32 * len(raw) and pages["restored"] == hits and pages["missing"] == pages["dropped"] == 0, pages
+    kv = run["head_kv"]  # found in vLLM's blocks, vouched for by their writers' records
+    assert kv["store"] == "PagedHeadKV" and kv["in_kv_cache_config"] and kv["records"] > 0 and not kv["holes"], kv
     assert run["tree_stats"]["rounds"] > 20 and run["tree_stats"]["drafter_failures"] == 0, run["tree_stats"]
 
 

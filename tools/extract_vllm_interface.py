@@ -202,6 +202,8 @@ V1 = [
 # registry, the draft-model machinery, and the helpers that build a step.
 V2 = [
     f"{_V2}.model_runner.GPUModelRunner.*",
+    "vllm.model_executor.layers.attention.Attention.__init__",  # the EAGLE heads' KV layers (v2/draft_kv.py)
+    "vllm.model_executor.layers.attention.Attention.kv_cache",
     f"{_V2}.model_runner.ExecuteModelState.*",
     f"{_V2}.model_runner.BatchReqState.*",
     f"{_V2}.model_runner.sort_batch_req_ids",

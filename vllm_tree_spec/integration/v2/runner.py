@@ -42,6 +42,7 @@ from vllm_tree_spec.integration.stats import TreeStats
 from vllm_tree_spec.integration.tree_sampler import SampleBatch, emitted_logits, verify_rows
 from vllm_tree_spec.integration.tree_step import ScheduledTree, TreeStep, attach_step, build_step
 from vllm_tree_spec.integration.v2 import has_speculator_registry
+from vllm_tree_spec.integration.v2.draft_kv import attach_head_kv
 from vllm_tree_spec.integration.v2.speculator import TreeSpeculator
 from vllm_tree_spec.integration.worker_memory import HeapTrimmer
 
@@ -113,6 +114,7 @@ class TreeV2RunnerMixin(TreeRunnerChecks):
         # its custom_class proposer
         self.drafter.load_model(self.get_model())
         self.drafter.setup_runner(self)  # e.g. EAGLE-3: make the target return its aux hidden states (P7)
+        self._tree_head_kv = attach_head_kv(self)  # EAGLE heads: their KV in vLLM's blocks (draft_kv.py)
         self.tree_adapter = select_adapter(self)
         self.tree_adapter.check(self)
         if self.drafter.observes_target:
@@ -141,6 +143,8 @@ class TreeV2RunnerMixin(TreeRunnerChecks):
         super().initialize_kv_cache(kv_cache_config, *args, **kwargs)
         self.tree_check_caches()
         self.tree_check_verifier()
+        if self._tree_head_kv is not None:
+            self._tree_head_kv.bind(self)
         after = getattr(self.tree_adapter, "on_kv_cache", None)  # e.g. DeepSeek-V4: the caches by role
         if after is not None:
             after(self)
@@ -152,6 +156,16 @@ class TreeV2RunnerMixin(TreeRunnerChecks):
             if new.sampling_params is not None:
                 self.speculator.add_request_state(new.req_id, new.sampling_params, new.prompt_token_ids,
                                                   new.prefill_token_ids)
+            if self._tree_head_kv is not None:
+                self._tree_head_kv.set_blocks(new.req_id, new.block_ids)
+
+    def update_requests(self, scheduler_output):
+        super().update_requests(scheduler_output)
+        if self._tree_head_kv is not None:
+            reqs = scheduler_output.scheduled_cached_reqs
+            for rid, ids in zip(reqs.req_ids, reqs.new_block_ids):
+                if ids is not None:
+                    self._tree_head_kv.add_blocks(rid, ids)
 
     def finish_requests(self, scheduler_output):
         for rid in scheduler_output.finished_req_ids:
@@ -160,6 +174,9 @@ class TreeV2RunnerMixin(TreeRunnerChecks):
         for rid in scheduler_output.preempted_req_ids or ():
             self.speculator.remove_request_state(rid, finished=False)
             self._tree_committed.pop(rid, None)
+        if self._tree_head_kv is not None:
+            for rid in (*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ())):
+                self._tree_head_kv.drop_blocks(rid)
         return super().finish_requests(scheduler_output)
 
     # -- positions and the step's trees ----------------------------------------------------------

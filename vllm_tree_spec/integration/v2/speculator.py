@@ -132,10 +132,11 @@ class TreeSpeculator(BaseSpeculator):
 
     def remove_request_state(self, req_id: str, finished: bool) -> None:
         """Preempted requests are re-added on resumption with every token so far; finished ones leave the
-        drafter too."""
+        drafter too (preempted ones as well where the drafter's state lived in their blocks)."""
         self.requests.pop(req_id, None)
         self.trees.pop(req_id, None)
-        if finished:
+        # a drafter whose state lives in the request's blocks (EAGLE heads, draft_kv.py) loses it with them
+        if finished or getattr(self.proposer.drafter, "state_in_runner_kv", False):
             self.skip_logged.discard(req_id)
             self.proposer.finish_request(req_id)
 

@@ -1,0 +1,106 @@
+"""Where an EAGLE head keeps its committed KV: the stores `eagle3.py` drafts from.
+
+A request owns a slot for its life; its entries are columns [0, length) of that slot. A store hands a batch
+of slots to the head as per-layer K/V `[B, H_kv, >= cols, D]` (`batch`), and takes back the columns a
+forward wrote (`write_back`, unless the batch was a view). Columns a prefix-cache hit could not supply are
+holes, masked out of the head's attention (`valid`, read only once a hole exists).
+
+    DenseHeadKV   per layer keys/values [slots, H_kv, capacity, D] beside the model (any runner)
+    PagedHeadKV   the runner's paged KV cache: entry t at the cache slot of position t, in vLLM's blocks and
+                  memory budget (Model Runner V2: `integration/v2/draft_kv.py`)
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HeadKVSlots:
+    """Slot bookkeeping and the hole mask, shared by the stores."""
+
+    paged = False  # True: entries live in the runner's blocks (prefix-cache hits find them there)
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.free: list[int] = []
+        self.num_slots = 0
+        self.valid = torch.ones(0, 0, dtype=torch.bool, device=device)  # [rows, capacity] False: a hole
+        self.has_holes = False
+
+    def acquire(self, req_id=None) -> int:
+        if self.free:
+            return self.free.pop()
+        self.num_slots += 1
+        return self.num_slots - 1
+
+    def release(self, slot: int) -> None:
+        if slot < self.valid.shape[0]:
+            self.valid[slot] = True
+        self.free.append(slot)
+        self.free.sort(reverse=True)  # lowest slot first: active requests stay packed at the front
+
+    def _reserve_valid(self, rows: int, cols: int) -> None:
+        if self.valid.shape[0] >= rows and self.valid.shape[1] >= cols:
+            return
+        rows, cols = max(rows, self.valid.shape[0]), max(cols, self.valid.shape[1])
+        valid = torch.ones(rows, cols, dtype=torch.bool, device=self.device)
+        valid[: self.valid.shape[0], : self.valid.shape[1]] = self.valid
+        self.valid = valid
+
+    def valid_rows(self, slots: list[int], cols: int) -> torch.Tensor | None:
+        """[B, cols] False at hole columns of these slots (None while no slot has holes)."""
+        if not self.has_holes:
+            return None
+        self._reserve_valid(self.num_slots, cols)
+        return self.valid[torch.tensor(slots, device=self.device), :cols]
+
+
+class DenseHeadKV(HeadKVSlots):
+    """Committed head KV of every request: per layer keys/values [slots, H_kv, capacity, D].
+
+    Columns past a request's length are scratch: catch-up padding and a step's tree KV land there, so a
+    batch whose requests hold consecutive slots runs on a view of the store with no copy at all.
+    """
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        super().__init__(device)
+        self.shape = (kv_heads, head_dim)
+        self.dtype = dtype
+        self.layers: list[list[torch.Tensor]] = [[self._empty(0, 0), self._empty(0, 0)] for _ in range(layers)]
+
+    def _empty(self, slots: int, cols: int) -> torch.Tensor:
+        return torch.zeros(slots, self.shape[0], cols, self.shape[1], dtype=self.dtype, device=self.device)
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0][0].shape[2]
+
+    def reserve(self, cols: int) -> None:
+        """Make room for num_slots rows and `cols` columns (doubling; existing content kept)."""
+        rows, cap = self.layers[0][0].shape[0], self.capacity
+        if rows >= self.num_slots and cap >= cols:
+            return
+        rows, cap = max(rows, self.num_slots), max(cap, cols) if cap >= cols else max(2 * cap, cols, 64)
+        for layer in self.layers:
+            for j, old in enumerate(layer):
+                new = self._empty(rows, cap)
+                new[: old.shape[0], :, : old.shape[2]] = old
+                layer[j] = new
+        self._reserve_valid(rows, cap)
+
+    def batch(self, slots: list[int], cols: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
+        """Per layer KV [B, H_kv, >= cols, D] of these slots in this order: a view if they are consecutive
+        (writes go to the store), else a copy (write back with `write_back`)."""
+        self.reserve(cols)
+        s0 = slots[0]
+        if slots == list(range(s0, s0 + len(slots))):
+            return [(k[s0: s0 + len(slots)], v[s0: s0 + len(slots)]) for k, v in self.layers], True
+        idx = torch.tensor(slots, device=self.device)
+        return [(k.index_select(0, idx), v.index_select(0, idx)) for k, v in self.layers], False
+
+    def write_back(self, cache, slots: list[int], spans: list[tuple[int, int]]) -> None:
+        """Copy columns [a, b) of batch row i back to slot slots[i] (after a forward on a copy)."""
+        for (k, v), layer in zip(cache, self.layers):
+            for i, (slot, (a, b)) in enumerate(zip(slots, spans)):
+                layer[0][slot, :, a:b] = k[i, :, a:b]
+                layer[1][slot, :, a:b] = v[i, :, a:b]

@@ -1,0 +1,253 @@
+"""An EAGLE head's committed KV in the runner's paged KV cache (Model Runner V2).
+
+vLLM allocates a KV cache for every attention layer registered in its forward context, out of the memory
+it budgets for KV (`gpu_memory_utilization`; `VLLM_CPU_KVCACHE_SPACE` on CPU), in the same blocks as the
+target's. The head's layers are registered there as vLLM `Attention` layers (`register_head_layers`, at
+load, before vLLM sizes its cache), so vLLM counts their pages in its block budget, hands their blocks out
+with the target's and keeps them in its prefix cache. They never run a forward: the head computes its own
+attention, tree mask included (`drafters/eagle3_head.py`); the layers hold its pages.
+
+Entry t of a request (the head's K/V for committed position t) lives at the cache slot of position t, where
+the target keeps its own K/V of that position in its layers. A request's entries are read per step into
+`[B, H_kv, cols, D]` (one gather per layer from its block ids), the tree's columns appended after them;
+the entries a forward computed are written to their slots (`write_back`). The tree's own KV never enters
+the cache.
+
+Prefix-cache hits: the blocks vLLM reuses carry the writer's head entries. A block's entries are trusted
+only where a record says who wrote them (`records`: block id -> the content key of the tokens they depend
+on, and the token after the block, which the block's last entry also read): a block with no matching
+record (its writer finished before its head reached it, or the block changed hands) is a hole, and a last
+entry whose next token differs from the request's is dropped. Holes are masked; drafts are proposals, so
+they cost acceptance, never exactness.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from vllm_tree_spec.drafters.head_kv import HeadKVSlots
+from vllm_tree_spec.drafters.prefix_pages import PrefixStats, chain_keys
+from vllm_tree_spec.integration import kv_layout
+
+LAYER_PREFIX = "tree_spec_draft.layers"  # forward-context names of the head's layers
+
+
+def head_layer_names(num_layers: int) -> list[str]:
+    return [f"{LAYER_PREFIX}.{i}.self_attn.attn" for i in range(num_layers)]
+
+
+def register_head_layers(vllm_config, cfg, dtype: torch.dtype) -> list[str]:
+    """vLLM `Attention` layers for the head's layers (cfg: `Eagle3Config`), registered in the forward context
+    so that the runner allocates their KV with the target's; idempotent. Their KV dtype is vLLM's
+    `kv_cache_dtype` for the model, as for vLLM's own draft layers."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+
+    names = head_layer_names(cfg.layers)
+    ctx = vllm_config.compilation_config.static_forward_context
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(dtype)
+        with set_current_vllm_config(vllm_config):
+            for name in names:
+                if name not in ctx:
+                    layer = Attention(cfg.heads, cfg.head_dim, cfg.head_dim ** -0.5, num_kv_heads=cfg.kv_heads,
+                                      cache_config=vllm_config.cache_config, prefix=name)
+                    layer.tree_draft_kv = True  # the target's commit leaves its slots alone (commit.py)
+    finally:
+        torch.set_default_dtype(default)
+    return names
+
+
+class PagedHeadKV(HeadKVSlots):
+    """The head's committed KV in the runner's blocks (module docstring).
+
+    Args:
+        layer_names: the head's registered layers (`register_head_layers`).
+        kv_heads, head_dim, dtype, device: the head's KV as it computes it.
+        block_ids: req_id -> that request's block ids in the layers' KV-cache group (host; the runner's).
+    """
+
+    paged = True
+
+    def __init__(self, layer_names: list[str], kv_heads: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device, block_ids: Callable[[str], list[int]]):
+        super().__init__(device)
+        self.layer_names = layer_names
+        self.kv_heads, self.head_dim, self.dtype = kv_heads, head_dim, dtype
+        self.block_ids = block_ids
+        self.req_of: dict[int, str] = {}  # slot -> request id
+        self.caches: list[tuple[torch.Tensor, str, str | None]] = []  # per layer (kv_cache, layout, isa)
+        self.block_size = 0  # tokens per block of the scheduler's block ids
+        self.records: dict[int, tuple[bytes, int]] = {}  # block id -> (content key, token after the block)
+        self.stats: PrefixStats | None = None  # set when prefix caching is on
+
+    def attach(self, forward_context: dict, block_size: int) -> None:
+        """After vLLM allocated and bound the caches: each layer's cache and layout."""
+        self.block_size = block_size
+        self.caches = []
+        for name in self.layer_names:
+            layer = forward_context[name]
+            kv = layer.kv_cache[0] if isinstance(layer.kv_cache, (list, tuple)) else layer.kv_cache
+            layout = getattr(layer.impl, "tree_kv_layout", None)
+            if layout not in ("cpu_attn", "paged") or not kv.numel():
+                raise kv_layout.UnsupportedKVLayout(
+                    f"EAGLE head layer {name}: {type(layer.impl).__name__} (KV cache {tuple(kv.shape)}) is not a "
+                    f"layout the tree drafter reads")
+            self.caches.append((kv, layout, getattr(layer, "isa", None)))
+
+    # -- the drafter's store interface ----------------------------------------------------------
+    def acquire(self, req_id=None) -> int:
+        slot = super().acquire()
+        self.req_of[slot] = req_id
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.req_of.pop(slot, None)
+        super().release(slot)
+
+    def reserve(self, cols: int) -> None:
+        self._reserve_valid(self.num_slots, cols)
+
+    def _slots(self, slots: list[int], cols: int) -> torch.Tensor:
+        """[B, cols] cache slot of positions 0..cols-1 of each request (past its blocks: its last block's,
+        read as scratch and masked)."""
+        bs = self.block_size
+        nblk = -(-cols // bs)
+        table = torch.zeros(len(slots), nblk, dtype=torch.long)
+        for b, s in enumerate(slots):
+            ids = self.block_ids(self.req_of[s])[:nblk]
+            if ids:
+                table[b, : len(ids)] = torch.tensor(ids)
+                table[b, len(ids):] = ids[-1]
+        table = table.to(self.device, non_blocking=True)
+        pos = torch.arange(cols, device=self.device)
+        return table[:, pos // bs] * bs + pos % bs
+
+    def _read(self, cache: torch.Tensor, layout: str, isa, slots: torch.Tensor):
+        if layout == "cpu_attn":
+            return kv_layout.cpu_gather(cache, slots, self.head_dim, isa)
+        bs = cache.shape[2]
+        rows = cache[slots // bs, :, slots % bs]  # [S, H_kv, 2D]
+        return rows[..., : self.head_dim], rows[..., self.head_dim:]
+
+    def _write(self, cache: torch.Tensor, layout: str, isa, slots: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> None:
+        k, v = k.to(cache.dtype), v.to(cache.dtype)
+        if layout == "cpu_attn":
+            kv_layout.cpu_write(cache, slots, k, v, self.head_dim, isa)
+        else:
+            bs = cache.shape[2]
+            cache[slots // bs, :, slots % bs] = torch.cat([k, v], -1)
+
+    def batch(self, slots: list[int], cols: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
+        """Per layer KV [B, H_kv, cols, D] of these slots' positions 0..cols-1, gathered from the cache (a
+        copy: write new entries back with `write_back`)."""
+        self.reserve(cols)
+        where = self._slots(slots, cols).flatten()  # [B * cols]
+        out = []
+        for cache, layout, isa in self.caches:
+            k, v = self._read(cache, layout, isa, where)  # [B * cols, H_kv, D]
+            out.append(tuple(t.view(len(slots), cols, self.kv_heads, self.head_dim).transpose(1, 2)
+                             .to(self.dtype).contiguous() for t in (k, v)))
+        return out, False
+
+    def write_back(self, cache, slots: list[int], spans: list[tuple[int, int]]) -> None:
+        """Columns [a, b) of batch row i (entries a..b-1 of slot slots[i]) into the cache."""
+        rows, cols = [], []
+        for i, (a, b) in enumerate(spans):
+            rows += [i] * (b - a)
+            cols += range(a, b)
+        if not rows:
+            return
+        width = max(b for _, b in spans)
+        where = self._slots(slots, width)[torch.tensor(rows), torch.tensor(cols)]  # [S]
+        r, c = torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)
+        for (k, v), (kv, layout, isa) in zip(cache, self.caches):
+            self._write(kv, layout, isa, where, k[r, :, c], v[r, :, c])  # [S, H_kv, D]
+
+    # -- prefix-cache hits ------------------------------------------------------------------------
+    def record(self, slot: int, tokens: list[int], length: int, keys: list[bytes], recorded: int) -> int:
+        """Record the blocks whose entries this request completed (entries [0, length)); returns the count of
+        blocks recorded so far. keys: the request's content keys of blocks 0.. (extended in place)."""
+        bs = self.block_size
+        full = min(length // bs, (len(tokens) - 1) // bs)
+        if full <= recorded:
+            return recorded
+        keys += chain_keys(tokens[: full * bs], bs, first=len(keys), prev=keys[-1] if keys else b"")
+        ids = self.block_ids(self.req_of[slot])
+        for j in range(recorded, full):
+            self.records[ids[j]] = (keys[j], tokens[(j + 1) * bs])
+        return full
+
+    def restore(self, slot: int, tokens: list[int], keep: int, first: int, keys: list[bytes]) -> int:
+        """A prefix-cache hit: entries keep..first-1 are in the blocks vLLM reused; mark as holes those no
+        record vouches for (module docstring); returns the count of holes. keys: the request's content keys
+        (extended in place)."""
+        bs, stats = self.block_size, self.stats
+        stats.hits += 1
+        j0, j1 = keep // bs, first // bs
+        keys += chain_keys(tokens[: j1 * bs], bs, first=len(keys), prev=keys[-1] if keys else b"")
+        ids = self.block_ids(self.req_of[slot])
+        self.reserve(first + 1)
+        holes = []
+        restored = dropped = 0
+        for j in range(j0, j1):
+            lo, hi = max(keep, j * bs), (j + 1) * bs
+            rec = self.records.get(ids[j])
+            if rec is None or rec[0] != keys[j]:
+                holes += range(lo, hi)
+                continue
+            if rec[1] != tokens[hi]:  # the block's last entry read another next token
+                holes.append(hi - 1)
+                dropped += 1
+            restored += hi - lo - (rec[1] != tokens[hi])
+        tail = list(range(max(keep, j1 * bs), first))  # a hit shorter than whole blocks: not vLLM's
+        holes += tail
+        self.valid[slot, keep:first] = True
+        stats.restored += restored
+        stats.dropped += dropped
+        stats.missing += len(holes) - dropped
+        if holes:
+            self.valid[slot, torch.tensor(holes, device=self.device)] = False
+            self.has_holes = True
+        return len(holes)
+
+
+class RunnerHeadKV:
+    """The V2 runner's side: the head's registered layers, and each request's block ids in their KV-cache
+    group (host lists, kept from the scheduler's outputs as V1's request states keep them)."""
+
+    def __init__(self, runner, drafter):
+        cfg = drafter.head.cfg
+        self.names = register_head_layers(runner.vllm_config, cfg, drafter.dtype)
+        self.blocks: dict[str, list[int]] = {}
+        self.gid = 0
+        self.store = PagedHeadKV(self.names, cfg.kv_heads, cfg.head_dim, drafter.dtype, drafter.device,
+                                 lambda rid: self.blocks.get(rid, []))
+        drafter.use_runner_kv(self.store)
+
+    def bind(self, runner) -> None:
+        """After `initialize_kv_cache`: the layers' group, its block size, their caches."""
+        groups = runner.kv_cache_config.kv_cache_groups
+        self.gid = next(i for i, g in enumerate(groups) if self.names[0] in g.layer_names)
+        self.store.attach(runner.compilation_config.static_forward_context, groups[self.gid].kv_cache_spec.block_size)
+
+    def set_blocks(self, req_id: str, block_ids) -> None:
+        self.blocks[req_id] = list(block_ids[self.gid])
+
+    def add_blocks(self, req_id: str, block_ids) -> None:
+        self.blocks.setdefault(req_id, []).extend(block_ids[self.gid])
+
+    def drop_blocks(self, req_id: str) -> None:
+        self.blocks.pop(req_id, None)
+
+
+def attach_head_kv(runner) -> RunnerHeadKV | None:
+    """At load: an EAGLE drafter's head gets its KV in the runner's cache (None: no such drafter)."""
+    drafter = getattr(runner.drafter, "drafter", None)
+    if getattr(drafter, "use_runner_kv", None) is None or getattr(drafter, "head", None) is None:
+        return None
+    return RunnerHeadKV(runner, drafter)
