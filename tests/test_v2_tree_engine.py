@@ -201,6 +201,29 @@ def test_eagle3_trees_with_prefix_caching(tiny_models, tmp_path):
 
 
 @ALL
+@ALL
+def test_eagle3_trees_survive_preemption(tiny_models, tmp_path):
+    """EAGLE-3 on V2 under a KV cache too small for its load (12 blocks of 32 tokens, 6 seats, chunked
+    prefills): running requests are preempted, lose their blocks and the head's entries in them, and rebuild
+    both on resumption (from their recomputed prefill or their own blocks still in the prefix cache); the
+    output stays identical to V1 without speculation and no draft fails."""
+    from tiny_eagle3 import make_tiny_eagle3
+
+    model = str(tiny_models.llama(vocab_size=VOCAB, num_layers=2, seed=0, initializer_range=0.08))
+    head3 = str(make_tiny_eagle3(tiny_models.root / "eagle3-engine", model, aux_layer_ids=(0, 1, 2)))
+    raw = [p * 3 for p in repetitive_prompts(8, VOCAB, seed=3)]  # 72-105 tokens
+    tiny = dict(disable_log_stats=False, num_gpu_blocks_override=12, block_size=32, max_model_len=256, max_num_batched_tokens=64,
+                enable_chunked_prefill=True)
+    base = run_engine(model, raw, max_tokens=80, runner="V1", tmp_dir=tmp_path / "base")
+    run = run_engine(model, raw, max_tokens=80, runner="V2", tmp_dir=tmp_path / "eagle3", max_num_seqs=6, **tiny,
+                     speculative_config={"method": "tree", "drafter": "eagle3", "model": head3,
+                                         "tree": "s3_k2_d6", "budgets": {"64": 5}})
+    assert run["preemptions"] > 0, "the tiny KV cache did not force a preemption"
+    assert run["outputs"] == base["outputs"]
+    assert run["head_kv"]["store"] == "PagedHeadKV"
+    assert run["tree_stats"]["rounds"] > 50 and run["tree_stats"]["drafter_failures"] == 0, run["tree_stats"]
+
+
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logits"])
 def test_logprobs_are_those_of_decoding(setup, mode):
     """Each emitted token's logprob and its top 2 come from the row it was emitted at (V2's layout): equal to

@@ -119,6 +119,7 @@ def check_tp2_matches_tp1(setup, drafter, monkeypatch):
 
 @pytest.mark.vllm
 @pytest.mark.slow
+@pytest.mark.extended  # ~35 s: TP = 2 runs by default in test_engine_tp.py; the gather's unit tests by default
 def test_eagle3_tp2_shared_embedding_matches_tp1(setup, monkeypatch):
     """EAGLE-3 head without embed_tokens: the target's vocab-parallel embedding, gathered on each rank."""
     check_tp2_matches_tp1(setup, "eagle3", monkeypatch)
@@ -133,6 +134,7 @@ def test_eagle1_tp2_shared_embedding_and_lm_head_matches_tp1(setup, monkeypatch)
 
 
 @pytest.mark.vllm
+@pytest.mark.extended  # the control of the extended comparisons above
 def test_negative_control_a_wrong_table_moves_the_counts(setup, monkeypatch):
     """Negative control for the count comparison: the shared table with its rows shifted by one (each token
     embedded as its neighbour) stays lossless but drafts other trees, so the accepted count collapses. Run at

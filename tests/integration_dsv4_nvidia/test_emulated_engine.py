@@ -62,6 +62,7 @@ def _drop_newest_entry(orig):
     return flash_mla_with_kvcache
 
 
+@pytest.mark.extended  # ~17 s; the default run keeps test_greedy_equals_transformers
 def test_decode_path_matches_prefill_path_and_every_substitute_runs(flat_model):
     import nvidia_harness as H
 

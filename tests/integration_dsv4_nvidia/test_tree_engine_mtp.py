@@ -89,6 +89,7 @@ def _prompts(seed=5):
     return [[rng.randrange(7, 500) for _ in range(n)] for n in PROMPT_LENGTHS]
 
 
+@pytest.mark.extended  # ~55 s; by default the MTP mixing and tree-row tests above, and the oracle tree engine
 def test_mtp_trees_greedy_identical_with_stores_equal_to_sequential_decode(mtp_model):
     import sys
 

@@ -40,8 +40,9 @@ def head_layer_names(num_layers: int) -> list[str]:
 
 def register_head_layers(vllm_config, cfg, dtype: torch.dtype) -> list[str]:
     """vLLM `Attention` layers for the head's layers (cfg: `Eagle3Config`), registered in the forward context
-    so that the runner allocates their KV with the target's; idempotent. Their KV dtype is vLLM's
-    `kv_cache_dtype` for the model, as for vLLM's own draft layers."""
+    so that the runner allocates their KV with the target's; idempotent. Full attention in the model's dtype:
+    without a cache config a layer takes neither the target's sliding window (vLLM would free the blocks
+    the head still reads) nor a quantized KV dtype (the head writes its K/V as they are)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.layers.attention import Attention
 
@@ -54,7 +55,7 @@ def register_head_layers(vllm_config, cfg, dtype: torch.dtype) -> list[str]:
             for name in names:
                 if name not in ctx:
                     layer = Attention(cfg.heads, cfg.head_dim, cfg.head_dim ** -0.5, num_kv_heads=cfg.kv_heads,
-                                      cache_config=vllm_config.cache_config, prefix=name)
+                                      cache_config=None, prefix=name)
                     layer.tree_draft_kv = True  # the target's commit leaves its slots alone (commit.py)
     finally:
         torch.set_default_dtype(default)
