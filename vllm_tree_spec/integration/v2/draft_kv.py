@@ -9,9 +9,9 @@ attention, tree mask included (`drafters/eagle3_head.py`); the layers hold its p
 
 Entry t of a request (the head's K/V for committed position t) lives at the cache slot of position t, where
 the target keeps its own K/V of that position in its layers. A request's entries are read per step into
-`[B, H_kv, cols, D]` (one gather per layer from its block ids), the tree's columns appended after them;
-the entries a forward computed are written to their slots (`write_back`). The tree's own KV never enters
-the cache.
+`[B, H_kv, cols, D]` (one gather per layer from its block ids, shared by the step's feed of new entries and
+its tree levels), the tree's columns appended after them; the entries a forward computed are written to
+their slots (`write_back`). The tree's own KV never enters the cache.
 
 Prefix-cache hits: the blocks vLLM reuses carry the writer's head entries. A block's entries are trusted
 only where a record says who wrote them (`records`: block id -> the content key of the tokens they depend
@@ -84,6 +84,7 @@ class PagedHeadKV(HeadKVSlots):
         self.block_size = 0  # tokens per block of the scheduler's block ids
         self.records: dict[int, tuple[bytes, int]] = {}  # block id -> (content key, token after the block)
         self.stats: PrefixStats | None = None  # set when prefix caching is on
+        self._last: tuple[list[int], list] | None = None  # the batch last written back: (slots, per-layer K/V)
 
     def attach(self, forward_context: dict, block_size: int) -> None:
         """After vLLM allocated and bound the caches: each layer's cache and layout."""
@@ -145,8 +146,12 @@ class PagedHeadKV(HeadKVSlots):
 
     def batch(self, slots: list[int], cols: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
         """Per layer KV [B, H_kv, cols, D] of these slots' positions 0..cols-1, gathered from the cache (a
-        copy: write new entries back with `write_back`)."""
+        copy: write new entries back with `write_back`). A step's tree session asks for the batch its feed
+        just wrote back: that copy is reused (it equals the pages), widened with zero columns."""
         self.reserve(cols)
+        last, self._last = self._last, None
+        if last is not None and last[0] == slots:
+            return [tuple(self._widen(t, cols) for t in kv) for kv in last[1]], False
         where = self._slots(slots, cols).flatten()  # [B * cols]
         out = []
         for cache, layout, isa in self.caches:
@@ -155,8 +160,18 @@ class PagedHeadKV(HeadKVSlots):
                              .to(self.dtype).contiguous() for t in (k, v)))
         return out, False
 
+    @staticmethod
+    def _widen(t: torch.Tensor, cols: int) -> torch.Tensor:
+        """[B, H, n, D] -> [B, H, cols, D]: the first cols columns, zero columns past n."""
+        n = t.shape[2]
+        if n >= cols:
+            return t[:, :, :cols]
+        return torch.cat([t, t.new_zeros(*t.shape[:2], cols - n, t.shape[3])], 2)
+
     def write_back(self, cache, slots: list[int], spans: list[tuple[int, int]]) -> None:
-        """Columns [a, b) of batch row i (entries a..b-1 of slot slots[i]) into the cache."""
+        """Columns [a, b) of batch row i (entries a..b-1 of slot slots[i]) into the cache; the batch is kept
+        for the tree session that usually follows (`batch`)."""
+        self._last = (list(slots), cache)
         rows, cols = [], []
         for i, (a, b) in enumerate(spans):
             rows += [i] * (b - a)
