@@ -422,11 +422,18 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
             size = self.store.block_size
             keys = st.keys[: keep // size]
             holes = self.store.restore(st.slot, tokens, keep, first, keys)
-            st.tainted = st.tainted or (holes > 0 and self.head.cfg.layers > 1)
-            st.length = first
-            st.entry_tokens[keep:] = tokens[keep + 1: first + 1]
-            st.keys, st.archived = keys, -(-first // size)
-            return
+        else:
+            size, keys, holes = self._restore_from_archive(st, tokens, keep, first)
+        if holes:  # a hole reaches later entries' KV through a head's second layer
+            st.tainted = st.tainted or self.head.cfg.layers > 1
+        st.length = first
+        st.entry_tokens[keep:] = tokens[keep + 1: first + 1]
+        st.keys, st.archived = keys, -(-first // size)  # a page with holes is never archived
+
+    def _restore_from_archive(self, st: _RequestState, tokens: list[int], keep: int,
+                              first: int) -> tuple[int, list[bytes], int]:
+        """The dense store's restore: entries keep..first-1 copied from the archive's pages, holes masked;
+        returns (page size, the request's page keys, holes)."""
         pages, store = self._prefix_pages(), self.store
         size = pages.page
         stats = pages.stats
@@ -464,10 +471,7 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
             store.valid[st.slot, dropped] = False
             store.valid[st.slot, restored:first] = False
             store.has_holes = True
-            st.tainted = st.tainted or self.head.cfg.layers > 1
-        st.length = first
-        st.entry_tokens[keep:] = tokens[keep + 1: first + 1]
-        st.keys, st.archived = keys, -(-first // size)  # a page with holes is never archived
+        return size, keys, holes
 
     def _archive(self, st: _RequestState, tokens: list[int]) -> None:
         """Archive the pages this request completed (all entries computed, none a hole); with a paged store,

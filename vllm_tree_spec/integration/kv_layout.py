@@ -315,6 +315,19 @@ def gpu_copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor)
     flat[:, dst] = flat[:, src].clone()
 
 
+def paged_gather(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V [S, Hkv, D] at the given slots of a FLASH_ATTN / TRITON_ATTN cache [nb, Hkv, bs, 2D]."""
+    bs = kv_cache.shape[2]
+    rows = kv_cache[slots // bs, :, slots % bs]  # [S, Hkv, 2D]
+    return rows[..., :head_dim], rows[..., head_dim:]
+
+
+def paged_write(kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """kv_cache[slots] <- K, V [S, Hkv, D] of a FLASH_ATTN / TRITON_ATTN cache [nb, Hkv, bs, 2D]; in place."""
+    bs = kv_cache.shape[2]
+    kv_cache[slots // bs, :, slots % bs] = torch.cat([k, v], -1)
+
+
 def paged_copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
     """kv_cache[slot dst] <- kv_cache[slot src] for a FLASH_ATTN / TRITON_ATTN cache [nb, Hkv, bs, 2D]; in place."""
     bs = kv_cache.shape[2]

@@ -131,9 +131,7 @@ class PagedHeadKV(HeadKVSlots):
     def _read(self, cache: torch.Tensor, layout: str, isa, slots: torch.Tensor):
         if layout == "cpu_attn":
             return kv_layout.cpu_gather(cache, slots, self.head_dim, isa)
-        bs = cache.shape[2]
-        rows = cache[slots // bs, :, slots % bs]  # [S, H_kv, 2D]
-        return rows[..., : self.head_dim], rows[..., self.head_dim:]
+        return kv_layout.paged_gather(cache, slots, self.head_dim)
 
     def _write(self, cache: torch.Tensor, layout: str, isa, slots: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> None:
@@ -141,8 +139,7 @@ class PagedHeadKV(HeadKVSlots):
         if layout == "cpu_attn":
             kv_layout.cpu_write(cache, slots, k, v, self.head_dim, isa)
         else:
-            bs = cache.shape[2]
-            cache[slots // bs, :, slots % bs] = torch.cat([k, v], -1)
+            kv_layout.paged_write(cache, slots, k, v)
 
     def batch(self, slots: list[int], cols: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
         """Per layer KV [B, H_kv, cols, D] of these slots' positions 0..cols-1, gathered from the cache (a
@@ -178,9 +175,8 @@ class PagedHeadKV(HeadKVSlots):
             cols += range(a, b)
         if not rows:
             return
-        width = max(b for _, b in spans)
-        where = self._slots(slots, width)[torch.tensor(rows), torch.tensor(cols)]  # [S]
-        r, c = torch.tensor(rows, device=self.device), torch.tensor(cols, device=self.device)
+        r, c = (torch.tensor(x).to(self.device, non_blocking=True) for x in (rows, cols))  # [S] each
+        where = self._slots(slots, max(b for _, b in spans))[r, c]  # [S]
         for (k, v), (kv, layout, isa) in zip(cache, self.caches):
             self._write(kv, layout, isa, where, k[r, :, c], v[r, :, c])  # [S, H_kv, D]
 
@@ -189,7 +185,7 @@ class PagedHeadKV(HeadKVSlots):
         """Record the blocks whose entries this request completed (entries [0, length)); returns the count of
         blocks recorded so far. keys: the request's content keys of blocks 0.. (extended in place)."""
         bs = self.block_size
-        full = min(length // bs, (len(tokens) - 1) // bs)
+        full = length // bs  # entry (j + 1) * bs - 1 read token (j + 1) * bs: the record's next token
         if full <= recorded:
             return recorded
         keys += chain_keys(tokens[: full * bs], bs, first=len(keys), prev=keys[-1] if keys else b"")
@@ -216,10 +212,11 @@ class PagedHeadKV(HeadKVSlots):
             if rec is None or rec[0] != keys[j]:
                 holes += range(lo, hi)
                 continue
-            if rec[1] != tokens[hi]:  # the block's last entry read another next token
+            drop = rec[1] != tokens[hi]  # the block's last entry read another next token
+            if drop:
                 holes.append(hi - 1)
                 dropped += 1
-            restored += hi - lo - (rec[1] != tokens[hi])
+            restored += hi - lo - drop
         tail = list(range(max(keep, j1 * bs), first))  # a hit shorter than whole blocks: not vLLM's
         holes += tail
         self.valid[slot, keep:first] = True
