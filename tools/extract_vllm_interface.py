@@ -204,6 +204,12 @@ V2 = [
     f"{_V2}.model_runner.GPUModelRunner.*",
     "vllm.model_executor.layers.attention.Attention.__init__",  # the EAGLE heads' KV layers (v2/draft_kv.py)
     "vllm.model_executor.layers.attention.Attention.kv_cache",
+    *(f"vllm.model_executor.layers.attention.Attention.{a}" for a in (  # vLLM's EAGLE-3 head (v2/draft_head.py)
+        "forward", "num_heads", "num_kv_heads", "head_size", "layer_name")),
+    f"{_SD}.eagle.utils.load_eagle_model",
+    "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM.*",
+    "vllm.config.cache.CacheConfig.cache_dtype",
+    "vllm.config.cache.CacheConfig.sliding_window",
     f"{_V2}.model_runner.ExecuteModelState.*",
     f"{_V2}.model_runner.BatchReqState.*",
     f"{_V2}.model_runner.sort_batch_req_ids",

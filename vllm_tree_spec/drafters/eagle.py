@@ -39,7 +39,7 @@ class EagleTreeDrafter(Eagle3TreeDrafter):
             emb = shared_table(target_embedding_layer(target_model), who, "embedding")
             out = getattr(target_model, "lm_head", None)
             lm_head = None if getattr(out, "weight", None) is None else shared_table(out, who, "LM head")
-        self._set_head(load_eagle_head(self.path, target_embedding=emb, target_lm_head=lm_head, dtype=self.dtype,
+        self.set_head(load_eagle_head(self.path, target_embedding=emb, target_lm_head=lm_head, dtype=self.dtype,
                                        device=self.device))
 
     @property

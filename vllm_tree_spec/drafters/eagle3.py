@@ -257,14 +257,15 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
         self.return_draft_probs = return_draft_probs
         self.head: Eagle3Head | None = None
         if head is not None:
-            self._set_head(head)
+            self.set_head(head)
         self._states: dict[Hashable, _RequestState] = {}
         self._pages_cfg: tuple[int, Any] | None = None  # (page tokens, capacity in tokens or its getter)
         self._pages: PrefixPages | None = None
         # counts of restored / dropped / missing entries on prefix-cache hits (None: prefix caching off)
         self.prefix_stats: PrefixStats | None = None
 
-    def _set_head(self, head: Eagle3Head) -> None:
+    def set_head(self, head: Eagle3Head) -> None:
+        """The head to draft with (a loaded `Eagle3Head`, or one with its interface: `integration/v2/draft_head.py`)."""
         self.head = head.to(self.device, self.dtype).eval()
         self.vocab_size = head.cfg.vocab
         c = head.cfg
@@ -278,7 +279,7 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
         emb = None
         if target_model is not None:
             emb = shared_table(target_embedding_layer(target_model), f"EAGLE-3 head {self.path}", "embedding")
-        self._set_head(load_head(self.path, target_embedding=emb, dtype=self.dtype, device=self.device))
+        self.set_head(load_head(self.path, target_embedding=emb, dtype=self.dtype, device=self.device))
 
     def networks(self) -> list[torch.nn.Module]:
         return [] if self.head is None else [self.head]

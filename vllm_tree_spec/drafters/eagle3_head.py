@@ -140,29 +140,36 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
 
     def forward(self, x, positions, rope, mask, cache: KV | None, cols):
-        """x [B, n, in], positions [B, n], mask [B, n, L] bool over the attended columns.
-
-        cache: keys/values [B, Hkv, C, D]; the rows' own keys/values are written in place at columns
-        cols [B, n] and attention runs over columns [0, L). None: the rows attend to each other (L = n).
-        """
+        """x [B, n, in], positions [B, n]; mask, cache, cols: see `attend`."""
         c = self.cfg
         bsz, n, _ = x.shape
         q, k = self.q_proj(x), self.k_proj(x)  # [B, n, H*D], [B, n, Hkv*D]
         q, k = rope.forward_native(positions.reshape(-1), q.reshape(bsz * n, -1), k.reshape(bsz * n, -1))
-        q = q.view(bsz, n, c.heads, c.head_dim).transpose(1, 2)  # [B, H, n, D]
-        k = k.view(bsz, n, c.kv_heads, c.head_dim)  # [B, n, Hkv, D]
-        v = self.v_proj(x).view(bsz, n, c.kv_heads, c.head_dim)
-        if cache is None:
-            keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, n, D]
-        else:
-            b = torch.arange(bsz, device=x.device)[:, None]
-            cache[0][b, :, cols] = k  # advanced indices first: [B, n, Hkv, D]
-            cache[1][b, :, cols] = v
-            cols_l = mask.shape[-1]
-            keys, values = cache[0][:, :, :cols_l], cache[1][:, :, :cols_l]  # [B, Hkv, L, D]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None],
-                                             enable_gqa=c.heads != c.kv_heads)
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, n, -1))
+        out = attend(q.view(bsz, n, c.heads, c.head_dim), k.view(bsz, n, c.kv_heads, c.head_dim),
+                     self.v_proj(x).view(bsz, n, c.kv_heads, c.head_dim), mask, cache, cols)
+        return self.o_proj(out)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, cache: KV | None,
+           cols: torch.Tensor | None) -> torch.Tensor:
+    """The head's attention for rows of B requests: q [B, n, H, D], k / v [B, n, Hkv, D] (roped), mask
+    [B, n, L] bool over the attended columns. Returns [B, n, H * D].
+
+    cache: keys / values [B, Hkv, C, D]; the rows' own keys / values are written in place at columns
+    cols [B, n] and the rows attend over columns [0, L). None: the rows attend to each other (L = n).
+    """
+    bsz, n, heads, _ = q.shape
+    if cache is None:
+        keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, n, D]
+    else:
+        b = torch.arange(bsz, device=q.device)[:, None]
+        cache[0][b, :, cols] = k  # advanced indices first: [B, n, Hkv, D]
+        cache[1][b, :, cols] = v
+        cols_l = mask.shape[-1]
+        keys, values = cache[0][:, :, :cols_l], cache[1][:, :, :cols_l]  # [B, Hkv, L, D]
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None],
+                                         enable_gqa=heads != k.shape[2])  # [B, H, n, D]
+    return out.transpose(1, 2).reshape(bsz, n, -1)
 
 
 class _MLP(nn.Module):

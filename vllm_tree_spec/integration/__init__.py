@@ -101,7 +101,7 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
     P10 (cpu_gemm.py) calls vLLM's dispatch_cpu_unquantized_gemm on the drafters' own networks (the EAGLE-3 /
         EAGLE head, a draft model) on CPU, changing nothing in vLLM: each nn.Linear gets vLLM's oneDNN handler.
         Why: F.linear goes to MKL, whose small-M sgemm is 2-3x slower on the head's shapes than vLLM's handler.
-        Removal: the head run as vLLM's Eagle3LlamaForCausalLM with tree attention metadata.
+        Removal: the head run as vLLM's Eagle3LlamaForCausalLM (done on V2: P18; V1 keeps the plugin's head).
 
     P11 (kv_scratch.py) KV-cache blocks the scheduler never hands out, scratch for the CPU decode path of tree
         rows (reserved by the tree CPU workers of both runners); its record is in kv_scratch.py's docstring.
@@ -136,10 +136,11 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
         (EAGLE-1: or LM head) under TP reads the target's VocabParallelEmbedding / ParallelLMHead sharding
         (tp_size, tp_rank, shard_indices, num_added_embeddings, parallel_group) and all-gathers its shards with
         the layer's group (vLLM's TP group) in the drafters' load_model, on every rank; record in its docstring.
-    P17 (v2/draft_kv.py) Model Runner V2 with an EAGLE-3 / EAGLE tree drafter: one vLLM `Attention` layer per
-        head layer is built at load (under set_current_vllm_config) and so registered in the forward context
-        ("tree_spec_draft.layers.<i>.self_attn.attn"); the runner's add_requests / update_requests /
-        finish_requests (P12) keep each request's block ids of their KV-cache group.
+    P17 (v2/draft_kv.py) Model Runner V2 with an EAGLE-3 / EAGLE tree drafter: the head's layers are vLLM
+        `Attention` layers registered in the forward context (EAGLE-3: vLLM's own head's, P18; EAGLE-1: one built
+        per head layer at load under set_current_vllm_config, "tree_spec_draft.layers.<i>.self_attn.attn");
+        the runner's add_requests / update_requests / finish_requests (P12) keep each request's block ids of
+        their KV-cache group.
         Why: the head's KV belongs in vLLM's KV budget, blocks and prefix cache; V2 allocates KV only for
               registered layers, and its draft-model machinery (DraftModelSpeculator) loads vLLM's head
               classes with causal draft attention, not a tree mask.
@@ -148,6 +149,17 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
               target's commit skips them (their entries are written by the head itself).
         Removal: a tree-mask draft attention in V2's draft-model speculators (then the head would be vLLM's
               own class on its own KV-cache group).
+    P18 (v2/draft_head.py) Model Runner V2 with an EAGLE-3 tree drafter: the head is built by vLLM's EAGLE loader
+        (load_eagle_model) from an `eagle3` SpeculativeConfig for the head's path, under a shallow copy of the
+        runner's config (that speculative config; a cache config copy of full attention in the model dtype);
+        each of its Attention layers gets, on the instance, a forward that runs the drafter's tree-masked
+        attention over K/V gathered from its own pages (P17); its LlamaModel's torch.compile wrapper is
+        bypassed (do_not_compile: tree levels change shape every step).
+        Why: the head should be vLLM's class (its TP-sharded linear layers, the target's shared embedding and
+              LM head modules, vLLM's norms, RoPE and logits processor), but vLLM's draft attention is
+              causal and a tree level needs the ancestor mask.
+        Removal: tree attention metadata for draft models in V2's draft-model speculators (the head's
+              attention layers would then run vLLM's backend with a tree mask over their pages).
 
     L   (live_state.py) reads, changes nothing: the tree workers' `tree_live_state` method (reachable with
         vLLM's collective_rpc; served: POST /collective_rpc under VLLM_SERVER_DEV_MODE=1) lists the request

@@ -353,6 +353,13 @@ V2_SIGNATURES: dict[str, tuple[str, ...] | None] = {
     # P17: the EAGLE heads' KV layers (v2/draft_kv.py), built by keyword (0.34 adds a keyword: checked per table)
     "vllm.model_executor.layers.attention.Attention.__init__": None,
     "vllm.config.set_current_vllm_config": ("vllm_config", "check_compile", "prefix"),
+    # P18: vLLM's EAGLE-3 head (v2/draft_head.py): loaded by vLLM's EAGLE loader, run through its forward, its
+    # attention layers' forward replaced per instance (called as `self.attn(q, k, v)` by vLLM's Llama attention)
+    f"{_SD}.eagle.utils.load_eagle_model": ("target_model", "vllm_config"),
+    "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM.forward": (
+        "self", "input_ids", "positions", "hidden_states", "inputs_embeds"),
+    "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM.combine_hidden_states": ("self", "hidden_states"),
+    "vllm.model_executor.layers.attention.Attention.forward": None,
     # the V2 workers
     "vllm.v1.worker.cpu_worker.CPUWorker.init_device": ("self",),
     "vllm.v1.worker.cpu_worker.CPUWorker.load_model": ("self", "load_dummy_weights"),
@@ -384,6 +391,10 @@ V2_ATTRIBUTES = (
         "query_start_loc_np", "num_computed_tokens_np", "num_scheduled_tokens", "num_draft_tokens",
         "num_draft_tokens_per_req", "prefill_len_np", "idx_mapping_np")),
     *ATTRIBUTES["common"][1:],  # P2: the backend registry
+    # P18: the head's eagle3 speculative config (built by keyword) and the view's cache config
+    *(f"vllm.config.speculative.SpeculativeConfig.{f}" for f in (
+        "method", "model", "num_speculative_tokens", "target_model_config", "target_parallel_config")),
+    "vllm.config.cache.CacheConfig.cache_dtype", "vllm.config.cache.CacheConfig.sliding_window",
 )
 V2_PLATFORM_ATTRIBUTES = {
     "cpu": ("vllm.v1.worker.cpu.model_runner.CPUModelRunner",  # P15
@@ -402,6 +413,10 @@ V2_STATE = (  # the runner's instance attributes the V2 adapter reads (checked a
     f"{_V2}.model_runner.GPUModelRunner.sampler", f"{_V2}.model_runner.GPUModelRunner.kv_cache_config",
     f"{_V2}.model_runner.GPUModelRunner.structured_outputs_worker", f"{_V2}.model_runner.GPUModelRunner.model",
     "vllm.model_executor.layers.attention.Attention.kv_cache",  # P17: the head's pages, as vLLM bound them
+    *(f"vllm.model_executor.layers.attention.Attention.{a}" for a in (  # P18: the head's attention layers
+        "num_heads", "num_kv_heads", "head_size", "layer_name")),
+    *(f"vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM.{a}" for a in (
+        "model", "lm_head", "logits_processor", "draft_id_to_target_id", "config")),
 )
 V2_ATTENTION = {  # P2 on V2: the same overrides as on V1
     "cpu": ("vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",

@@ -235,7 +235,9 @@ class RunnerHeadKV:
 
     def __init__(self, runner, drafter):
         cfg = drafter.head.cfg
-        self.names = register_head_layers(runner.vllm_config, cfg, drafter.dtype)
+        # vLLM's own head (draft_head.py) registered its layers; the plugin's heads get theirs here
+        self.names = getattr(drafter.head, "layer_names", None) or register_head_layers(runner.vllm_config, cfg,
+                                                                                           drafter.dtype)
         self.blocks: dict[str, list[int]] = {}
         self.gid = 0
         self.store = PagedHeadKV(self.names, cfg.kv_heads, cfg.head_dim, drafter.dtype, drafter.device,

@@ -42,6 +42,7 @@ from vllm_tree_spec.integration.stats import TreeStats
 from vllm_tree_spec.integration.tree_sampler import SampleBatch, emitted_logits, verify_rows
 from vllm_tree_spec.integration.tree_step import ScheduledTree, TreeStep, attach_step, build_step
 from vllm_tree_spec.integration.v2 import has_speculator_registry
+from vllm_tree_spec.integration.v2.draft_head import load_vllm_head
 from vllm_tree_spec.integration.v2.draft_kv import attach_head_kv
 from vllm_tree_spec.integration.v2.speculator import TreeSpeculator
 from vllm_tree_spec.integration.worker_memory import HeapTrimmer
@@ -110,8 +111,9 @@ class TreeV2RunnerMixin(TreeRunnerChecks):
     # -- start-up ---------------------------------------------------------------------------------
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
-        # the drafter's own networks (EAGLE heads share the target's embedding / LM head), as V1's runner loads
-        # its custom_class proposer
+        # EAGLE-3: the head is vLLM's own model, loaded by vLLM's EAGLE loader (draft_head.py); the other
+        # drafters' networks load themselves (sharing the target's embedding / LM head), as on V1
+        load_vllm_head(self)
         self.drafter.load_model(self.get_model())
         self.drafter.setup_runner(self)  # e.g. EAGLE-3: make the target return its aux hidden states (P7)
         self._tree_head_kv = attach_head_kv(self)  # EAGLE heads: their KV in vLLM's blocks (draft_kv.py)
