@@ -139,9 +139,9 @@ def test_draft_model_trees_greedy_identical(setup, tree):
 
 @ALL
 def test_eagle_heads_read_the_targets_hidden_states(tiny_models, tmp_path):
-    """EAGLE-1 with a head that is a copy of the target (q = p, tests/fixtures/tiny_eagle3.py) gets V2's target
-    hidden states through `propose`: every node of every round is accepted, output identical; EAGLE-3 (a
-    random head, the target's auxiliary layers) branching trees stay greedy-identical."""
+    """EAGLE-1 with a head that is a copy of the target (q = p, tests/fixtures/tiny_eagle3.py), run as vLLM's
+    own class, gets V2's target hidden states through `propose`: every node of every round is accepted, output
+    identical; EAGLE-3 (a random head, the target's auxiliary layers) branching trees stay greedy-identical."""
     from tiny_eagle3 import make_copy_pair, make_tiny_eagle3
 
     no_prefix_cache = dict(enable_prefix_caching=False)  # every prefill computed (prefix-cache hits: V1 tests)
@@ -154,6 +154,7 @@ def test_eagle_heads_read_the_targets_hidden_states(tiny_models, tmp_path):
     assert run["outputs"] == base["outputs"]
     s = run["tree_stats"]  # 1 + 6 rounds x (4 accepted + 1 bonus) tokens per request
     assert s["rounds"] == 6 * len(raw) and s["accepted"] == 4 * s["rounds"], s
+    assert run["head_kv"]["head"] == "VllmEagleHead" and run["head_kv"]["in_kv_cache_config"], run["head_kv"]
 
     model = str(tiny_models.llama(vocab_size=VOCAB, num_layers=2, seed=0, initializer_range=0.08))
     head3 = str(make_tiny_eagle3(tiny_models.root / "eagle3-engine", model, aux_layer_ids=(0, 1, 2)))
@@ -169,7 +170,7 @@ def test_eagle_heads_read_the_targets_hidden_states(tiny_models, tmp_path):
     # config, so in vLLM's block budget); the rounds and nodes are those of the PyTorch head with its dense
     # store on V1 (this random head's acceptance: test_shipped_eagle3_head_accepts_as_on_v1)
     kv = run["head_kv"]
-    assert kv["store"] == "PagedHeadKV" and kv["head"] == "VllmEagle3Head" and kv["in_kv_cache_config"]
+    assert kv["store"] == "PagedHeadKV" and kv["head"] == "VllmEagleHead" and kv["in_kv_cache_config"]
     assert min(kv["cache_blocks"]) >= kv["num_blocks"]
     dense = run_engine(model, raw, max_tokens=24, runner="V1", tmp_dir=tmp_path / "dense3", max_num_seqs=8,
                        **no_prefix_cache, speculative_config=spec3)
@@ -198,7 +199,7 @@ def test_eagle3_trees_with_prefix_caching(tiny_models, tmp_path):
     hits, pages = sum(run["num_cached_tokens"]), run["prefix_stats"]
     assert hits >= 32 * len(raw) and pages["restored"] == hits and pages["missing"] == pages["dropped"] == 0, pages
     kv = run["head_kv"]  # found in vLLM's blocks, vouched for by their writers' records
-    assert kv["store"] == "PagedHeadKV" and kv["head"] == "VllmEagle3Head" and kv["in_kv_cache_config"], kv
+    assert kv["store"] == "PagedHeadKV" and kv["head"] == "VllmEagleHead" and kv["in_kv_cache_config"], kv
     assert kv["records"] > 0 and not kv["holes"], kv
     assert run["tree_stats"]["rounds"] > 20 and run["tree_stats"]["drafter_failures"] == 0, run["tree_stats"]
 
@@ -222,7 +223,7 @@ def test_eagle3_trees_survive_preemption(tiny_models, tmp_path):
                                          "tree": "s3_k2_d6", "budgets": {"64": 5}})
     assert run["preemptions"] > 0, "the tiny KV cache did not force a preemption"
     assert run["outputs"] == base["outputs"]
-    assert run["head_kv"]["store"] == "PagedHeadKV" and run["head_kv"]["head"] == "VllmEagle3Head"
+    assert run["head_kv"]["store"] == "PagedHeadKV" and run["head_kv"]["head"] == "VllmEagleHead"
     assert run["tree_stats"]["rounds"] > 50 and run["tree_stats"]["drafter_failures"] == 0, run["tree_stats"]
 
 
@@ -256,7 +257,7 @@ def test_shipped_eagle3_head_accepts_as_on_v1(tmp_path):
     v1 = run_engine(model, raw, runner="V1", tmp_dir=tmp_path / "v1", speculative_config=spec, **common)
     v2 = run_engine(model, raw, runner="V2", tmp_dir=tmp_path / "v2", speculative_config=spec, **common)
     assert v1["outputs"] == base["outputs"] and v2["outputs"] == base["outputs"]
-    assert v2["head_kv"]["head"] == "VllmEagle3Head" and v1["head_kv"] is None
+    assert v2["head_kv"]["head"] == "VllmEagleHead" and v1["head_kv"] is None
     keys = ("rounds", "nodes", "accepted", "accepted_per_depth", "off_first_branch")
     s1, s2 = ({k: r["tree_stats"][k] for k in keys} for r in (v1, v2))
     print(f"shipped head: V1 {s1}, V2 {s2}")

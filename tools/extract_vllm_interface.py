@@ -202,12 +202,11 @@ V1 = [
 # registry, the draft-model machinery, and the helpers that build a step.
 V2 = [
     f"{_V2}.model_runner.GPUModelRunner.*",
-    "vllm.model_executor.layers.attention.Attention.__init__",  # the EAGLE heads' KV layers (v2/draft_kv.py)
-    "vllm.model_executor.layers.attention.Attention.kv_cache",
-    *(f"vllm.model_executor.layers.attention.Attention.{a}" for a in (  # vLLM's EAGLE-3 head (v2/draft_head.py)
-        "forward", "num_heads", "num_kv_heads", "head_size", "layer_name")),
+    *(f"vllm.model_executor.layers.attention.Attention.{a}" for a in (  # vLLM's EAGLE heads (v2/draft_head.py)
+        "kv_cache", "forward", "num_heads", "num_kv_heads", "head_size", "layer_name")),
     f"{_SD}.eagle.utils.load_eagle_model",
     "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM.*",
+    "vllm.model_executor.models.llama_eagle.EagleLlamaForCausalLM.*",
     "vllm.config.cache.CacheConfig.cache_dtype",
     "vllm.config.cache.CacheConfig.sliding_window",
     f"{_V2}.model_runner.ExecuteModelState.*",

@@ -75,7 +75,7 @@ CHILD = textwrap.dedent("""
     from test_drafter_eagle3 import POLICIES, aux_states, check_path_invariant, reference_logits
     from test_drafter_eagle3_vllm_head import draft_scenario
     from vllm_tree_spec.drafters.eagle3 import Eagle3TreeDrafter
-    from vllm_tree_spec.integration.v2.draft_head import load_vllm_eagle3_head
+    from vllm_tree_spec.integration.v2.draft_head import load_vllm_eagle_head
 
     tp, rank, control = {tp}, int(sys.argv[1]), {control}
     vc = EngineArgs(model={target!r}, dtype="float32", enforce_eager=True, max_model_len=512,
@@ -88,7 +88,7 @@ CHILD = textwrap.dedent("""
         initialize_model_parallel(tp, 1)
         target = get_model(vllm_config=vc)
         vc.speculative_config = types.SimpleNamespace(num_speculative_tokens=4)  # what the loader reads of it
-        head = load_vllm_eagle3_head(types.SimpleNamespace(vllm_config=vc, get_model=lambda: target), {head!r})
+        head = load_vllm_eagle_head(types.SimpleNamespace(vllm_config=vc, get_model=lambda: target), "eagle3", {head!r})
         report = {{"heads": head.cfg.heads, "kv_heads": head.cfg.kv_heads,
                   "embedding_shared": head.model.model.embed_tokens is target.model.embed_tokens,
                   "checked": {{}}, "failed": {{}}}}

@@ -25,13 +25,18 @@ from vllm_tree_spec.drafters.eagle3 import Eagle3TreeDrafter  # noqa: E402
 from vllm_tree_spec.drafters.eagle3_head import load_head  # noqa: E402
 from vllm_tree_spec.drafters.policy import StaticPolicy  # noqa: E402
 from vllm_tree_spec.integration import kv_layout  # noqa: E402
-from vllm_tree_spec.integration.v2.draft_kv import PagedHeadKV, head_layer_names  # noqa: E402
+from vllm_tree_spec.integration.v2.draft_kv import PagedHeadKV  # noqa: E402
 from vllm_tree_spec.tree import Tree  # noqa: E402
 
 BLOCK = 16
 NUM_BLOCKS = 64
 SHAPE = Tree.from_paths([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
 LAYOUTS = ["cpu_attn", "paged"]
+
+
+def head_layer_names(num_layers: int) -> list[str]:
+    """Forward-context names of the head's attention layers (vLLM's head on V2 has its own)."""
+    return [f"draft.layers.{i}.self_attn.attn" for i in range(num_layers)]
 
 
 class Runner:

@@ -136,21 +136,19 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
         (EAGLE-1: or LM head) under TP reads the target's VocabParallelEmbedding / ParallelLMHead sharding
         (tp_size, tp_rank, shard_indices, num_added_embeddings, parallel_group) and all-gathers its shards with
         the layer's group (vLLM's TP group) in the drafters' load_model, on every rank; record in its docstring.
-    P17 (v2/draft_kv.py) Model Runner V2 with an EAGLE-3 / EAGLE tree drafter: the head's layers are vLLM
-        `Attention` layers registered in the forward context (EAGLE-3: vLLM's own head's, P18; EAGLE-1: one built
-        per head layer at load under set_current_vllm_config, "tree_spec_draft.layers.<i>.self_attn.attn");
-        the runner's add_requests / update_requests / finish_requests (P12) keep each request's block ids of
-        their KV-cache group.
+    P17 (v2/draft_kv.py) Model Runner V2 with an EAGLE-3 / EAGLE tree drafter: the head's attention layers
+        (vLLM's own head's, P18) are registered in the forward context when vLLM's loader builds them, so vLLM
+        allocates their KV; the runner's add_requests / update_requests / finish_requests (P12) keep each
+        request's block ids of their KV-cache group, and the drafter reads and writes their pages.
         Why: the head's KV belongs in vLLM's KV budget, blocks and prefix cache; V2 allocates KV only for
-              registered layers, and its draft-model machinery (DraftModelSpeculator) loads vLLM's head
-              classes with causal draft attention, not a tree mask.
-        What: vLLM sizes, allocates and binds their caches with the target's; the layers never run a forward
-              (the head attends in PyTorch over K/V gathered from their pages, tree columns appended); the
-              target's commit skips them (their entries are written by the head itself).
-        Removal: a tree-mask draft attention in V2's draft-model speculators (then the head would be vLLM's
-              own class on its own KV-cache group).
-    P18 (v2/draft_head.py) Model Runner V2 with an EAGLE-3 tree drafter: the head is built by vLLM's EAGLE loader
-        (load_eagle_model) from an `eagle3` SpeculativeConfig for the head's path, under a shallow copy of the
+              registered layers.
+        What: vLLM sizes, allocates and binds their caches with the target's; vLLM's attention backend never
+              runs on them (the head attends over K/V gathered from their pages, tree columns appended, P18);
+              the target's commit skips them (their entries are written by the head itself).
+        Removal: tree attention metadata for draft models in V2's draft-model speculators (the head's KV would
+              then be read by vLLM's backend, block table and all).
+    P18 (v2/draft_head.py) Model Runner V2 with an EAGLE-3 / EAGLE tree drafter: the head is built by vLLM's EAGLE
+        loader (load_eagle_model) from an `eagle3` / `eagle` SpeculativeConfig for the head's path, under a shallow copy of the
         runner's config (that speculative config; a cache config copy of full attention in the model dtype);
         each of its Attention layers gets, on the instance, a forward that runs the drafter's tree-masked
         attention over K/V gathered from its own pages (P17); its LlamaModel's torch.compile wrapper is

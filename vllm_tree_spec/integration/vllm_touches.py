@@ -11,7 +11,7 @@ tools/extract_vllm_interface.py, whose targets must cover every path here):
                   path (integration/dsv4: D2-D5, vLLM's CPU layer classes and the kernels it replaces),
                   `"cuda"` the NVIDIA path (integration/dsv4/nvidia: N1-N7, vLLM 0.32's NVIDIA layer classes,
                   the metadata fields it rewrites, what it reads from the runner)
-    V2            the Model Runner V2 adapter (P11-P15): `V2_SIGNATURES` and the registry / no-registry variants
+    V2            the Model Runner V2 adapter (P11-P15, P17, P18): `V2_SIGNATURES` and the registry / no-registry variants
                   and, with `dsv4=True`, the NVIDIA DeepSeek-V4 adapter's list with what it reads from V2's runner
 
 vllm_guard.py registers `v1_touches` and `v2_touches` as the adapters of the runners V1 and V2.
@@ -350,15 +350,16 @@ V2_SIGNATURES: dict[str, tuple[str, ...] | None] = {
         "logits", "num_logprobs", "sampled_token_ids", "cu_num_logits", "logprob_token_ids_state",
         "expanded_idx_mapping", "max_per_req_token_ids", "logits_mode"),
     f"{_V2}.sample.sampler.Sampler.get_logprobs_dims": None,  # called with idx_mapping_np (0.32 adds a default)
-    # P17: the EAGLE heads' KV layers (v2/draft_kv.py), built by keyword (0.34 adds a keyword: checked per table)
-    "vllm.model_executor.layers.attention.Attention.__init__": None,
+    # P18: vLLM's EAGLE heads (v2/draft_head.py): loaded by vLLM's EAGLE loader under the head's config view,
+    # run through their forward, their attention layers' forward replaced per instance (called as
+    # `self.attn(q, k, v)` by vLLM's Llama attention)
     "vllm.config.set_current_vllm_config": ("vllm_config", "check_compile", "prefix"),
-    # P18: vLLM's EAGLE-3 head (v2/draft_head.py): loaded by vLLM's EAGLE loader, run through its forward, its
-    # attention layers' forward replaced per instance (called as `self.attn(q, k, v)` by vLLM's Llama attention)
     f"{_SD}.eagle.utils.load_eagle_model": ("target_model", "vllm_config"),
     "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM.forward": (
         "self", "input_ids", "positions", "hidden_states", "inputs_embeds"),
     "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM.combine_hidden_states": ("self", "hidden_states"),
+    "vllm.model_executor.models.llama_eagle.EagleLlamaForCausalLM.forward": (
+        "self", "input_ids", "positions", "hidden_states", "inputs_embeds"),
     "vllm.model_executor.layers.attention.Attention.forward": None,
     # the V2 workers
     "vllm.v1.worker.cpu_worker.CPUWorker.init_device": ("self",),
@@ -391,7 +392,7 @@ V2_ATTRIBUTES = (
         "query_start_loc_np", "num_computed_tokens_np", "num_scheduled_tokens", "num_draft_tokens",
         "num_draft_tokens_per_req", "prefill_len_np", "idx_mapping_np")),
     *ATTRIBUTES["common"][1:],  # P2: the backend registry
-    # P18: the head's eagle3 speculative config (built by keyword) and the view's cache config
+    # P18: the head's eagle3 / eagle speculative config (built by keyword) and the view's cache config
     *(f"vllm.config.speculative.SpeculativeConfig.{f}" for f in (
         "method", "model", "num_speculative_tokens", "target_model_config", "target_parallel_config")),
     "vllm.config.cache.CacheConfig.cache_dtype", "vllm.config.cache.CacheConfig.sliding_window",
@@ -417,6 +418,8 @@ V2_STATE = (  # the runner's instance attributes the V2 adapter reads (checked a
         "num_heads", "num_kv_heads", "head_size", "layer_name")),
     *(f"vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM.{a}" for a in (
         "model", "lm_head", "logits_processor", "draft_id_to_target_id", "config")),
+    *(f"vllm.model_executor.models.llama_eagle.EagleLlamaForCausalLM.{a}" for a in (
+        "model", "logits_processor", "config")),  # lm_head: the target's, set by vLLM's loader
 )
 V2_ATTENTION = {  # P2 on V2: the same overrides as on V1
     "cpu": ("vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",

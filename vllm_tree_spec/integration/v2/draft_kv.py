@@ -2,10 +2,10 @@
 
 vLLM allocates a KV cache for every attention layer registered in its forward context, out of the memory
 it budgets for KV (`gpu_memory_utilization`; `VLLM_CPU_KVCACHE_SPACE` on CPU), in the same blocks as the
-target's. The head's layers are registered there as vLLM `Attention` layers (`register_head_layers`, at
-load, before vLLM sizes its cache), so vLLM counts their pages in its block budget, hands their blocks out
-with the target's and keeps them in its prefix cache. They never run a forward: the head computes its own
-attention, tree mask included (`drafters/eagle3_head.py`); the layers hold its pages.
+target's. The head is vLLM's own model (`draft_head.py`), loaded before vLLM sizes its cache, so its
+`Attention` layers are registered there: vLLM counts their pages in its block budget, hands their blocks out
+with the target's and keeps them in its prefix cache. vLLM's attention backend never runs on them: their
+forward is the drafter's tree-masked attention (`drafters/eagle3_head.attend`) over what this store gathers.
 
 Entry t of a request (the head's K/V for committed position t) lives at the cache slot of position t, where
 the target keeps its own K/V of that position in its layers. A request's entries are read per step into
@@ -31,42 +31,11 @@ from vllm_tree_spec.drafters.head_kv import HeadKVSlots
 from vllm_tree_spec.drafters.prefix_pages import PrefixStats, chain_keys
 from vllm_tree_spec.integration import kv_layout
 
-LAYER_PREFIX = "tree_spec_draft.layers"  # forward-context names of the head's layers
-
-
-def head_layer_names(num_layers: int) -> list[str]:
-    return [f"{LAYER_PREFIX}.{i}.self_attn.attn" for i in range(num_layers)]
-
-
-def register_head_layers(vllm_config, cfg, dtype: torch.dtype) -> list[str]:
-    """vLLM `Attention` layers for the head's layers (cfg: `Eagle3Config`), registered in the forward context
-    so that the runner allocates their KV with the target's; idempotent. Full attention in the model's dtype:
-    without a cache config a layer takes neither the target's sliding window (vLLM would free the blocks
-    the head still reads) nor a quantized KV dtype (the head writes its K/V as they are)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.model_executor.layers.attention import Attention
-
-    names = head_layer_names(cfg.layers)
-    ctx = vllm_config.compilation_config.static_forward_context
-    default = torch.get_default_dtype()
-    try:
-        torch.set_default_dtype(dtype)
-        with set_current_vllm_config(vllm_config):
-            for name in names:
-                if name not in ctx:
-                    layer = Attention(cfg.heads, cfg.head_dim, cfg.head_dim ** -0.5, num_kv_heads=cfg.kv_heads,
-                                      cache_config=None, prefix=name)
-                    layer.tree_draft_kv = True  # the target's commit leaves its slots alone (commit.py)
-    finally:
-        torch.set_default_dtype(default)
-    return names
-
-
 class PagedHeadKV(HeadKVSlots):
     """The head's committed KV in the runner's blocks (module docstring).
 
     Args:
-        layer_names: the head's registered layers (`register_head_layers`).
+        layer_names: the head's attention layers, registered in the forward context (`draft_head.py`).
         kv_heads, head_dim, dtype, device: the head's KV as it computes it.
         block_ids: req_id -> that request's block ids in the layers' KV-cache group (host; the runner's).
     """
@@ -235,9 +204,7 @@ class RunnerHeadKV:
 
     def __init__(self, runner, drafter):
         cfg = drafter.head.cfg
-        # vLLM's own head (draft_head.py) registered its layers; the plugin's heads get theirs here
-        self.names = getattr(drafter.head, "layer_names", None) or register_head_layers(runner.vllm_config, cfg,
-                                                                                           drafter.dtype)
+        self.names = drafter.head.layer_names  # vLLM's head (draft_head.py) registered its attention layers
         self.blocks: dict[str, list[int]] = {}
         self.gid = 0
         self.store = PagedHeadKV(self.names, cfg.kv_heads, cfg.head_dim, drafter.dtype, drafter.device,
