@@ -203,7 +203,14 @@ V1 = [
 V2 = [
     f"{_V2}.model_runner.GPUModelRunner.*",
     *(f"vllm.model_executor.layers.attention.Attention.{a}" for a in (  # vLLM's EAGLE heads (v2/draft_head.py)
-        "kv_cache", "forward", "num_heads", "num_kv_heads", "head_size", "layer_name")),
+        "kv_cache", "forward", "num_heads", "num_kv_heads", "head_size", "layer_name", "sliding_window", "impl")),
+    "vllm.model_executor.model_loader.get_model",  # the draft model (v2/draft_head.py)
+    "vllm.config.vllm.VllmConfig.model_config",
+    "vllm.config.vllm.VllmConfig.quant_config",
+    "vllm.config.vllm.VllmConfig.parallel_config",
+    "vllm.config.vllm.VllmConfig.cache_config",
+    "vllm.config.vllm.VllmConfig.speculative_config",
+    "vllm.config.parallel.ParallelConfig.rank",
     f"{_SD}.eagle.utils.load_eagle_model",
     "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM.*",
     "vllm.model_executor.models.llama_eagle.EagleLlamaForCausalLM.*",

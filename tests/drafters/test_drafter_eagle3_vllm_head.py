@@ -105,10 +105,10 @@ CHILD = textwrap.dedent("""
             from vllm_tree_spec.drafters import eagle3_head
             import vllm_tree_spec.integration.v2.draft_head as dh
             attend = eagle3_head.attend
-            def causal(q, k, v, mask, cache, cols):
+            def causal(q, k, v, mask, cache, cols, scale=None):
                 if cache is not None:
                     mask = torch.arange(mask.shape[-1]) <= cols[..., None]
-                return attend(q, k, v, mask, cache, cols)
+                return attend(q, k, v, mask, cache, cols, scale)
             dh.attend = causal
             policy, temp, q_temp, floor = POLICIES["static"]
             drafter = Eagle3TreeDrafter(head, policy, return_draft_probs=True, seed=5)

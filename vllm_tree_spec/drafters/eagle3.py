@@ -242,6 +242,13 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
 
     key = "eagle3"  # the config's drafter key
     reads_aux_hidden_states = True  # the runner turns on the target's aux outputs (integration/eagle3_aux.py)
+    # Entry t pairs token x_{t + entry_shift} with the target's feature at position t (EAGLE: shifted by one).
+    # A drafter without features (a draft model on the runner's pages: draft_model_paged.py) has entry t =
+    # x_t; its last entry (the root, whose slot the runner may not have allocated yet) is fed every step and
+    # written to the pages only once a later step has allocated it (`persist_last` False).
+    entry_shift = 1
+    reads_features = True
+    persist_last = True
 
     def __init__(self, head: Eagle3Head | None, policy: TreePolicy | Any, *, path: str | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0,
@@ -367,14 +374,15 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
         hits: dict[int, list[tuple[_RequestState, int, list[int]]]] = {}  # prefix-cache hits by their length
         for st, req in zip(states, requests):
             tokens = as_int_list(req.token_ids)
-            want = tokens[1:]  # entry t's token x_{t+1}, t = 0..n-2
+            want = tokens[self.entry_shift:]  # entry t's token x_{t+shift}
             old = st.entry_tokens
             common = next((i for i, (a, b) in enumerate(zip(old, want)) if a != b), min(len(old), len(want)))
-            if common == len(old) == len(want) and st.root_logits is not None:
+            if common == len(old) == len(want) and st.root_logits is not None and self.persist_last:
                 continue
             if not want:
                 raise DrafterError(f"request {req.req_id!r}: EAGLE drafting needs >= 2 committed tokens")
-            keep = min(common, len(want) - 1)  # re-feed at least the last entry: its output is q at the root
+            # re-feed at least the last entry (its output is q at the root), and every entry not in the pages
+            keep = max(0, min(common, len(want) - 1, st.length - (not self.persist_last)))
             if keep < st.length:
                 st.length = keep
                 del st.entry_tokens[keep:]
@@ -407,7 +415,10 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
 
     @property
     def _restores(self) -> bool:
-        """Prefix caching is on: hits are restored (from the archive, or vouched for in the runner's blocks)."""
+        """Prefix caching is on: hits are restored (from the archive, or vouched for in the runner's blocks).
+        A drafter without the target's features computes every entry itself: nothing to restore."""
+        if not self.reads_features:
+            return False
         return self._pages_cfg is not None or (self.store.paged and self.prefix_stats is not None)
 
     def _page_size(self) -> int:
@@ -503,7 +514,8 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
         feats = torch.zeros(batch, width, head.feature_size, dtype=self.dtype, device=device)
         for b, (st, first, toks) in enumerate(todo):
             ids[b, : counts[b]] = torch.tensor(toks)
-            feats[b, : counts[b]] = st.features.take(first, counts[b])
+            if self.reads_features:
+                feats[b, : counts[b]] = st.features.take(first, counts[b])
         cols = firsts[:, None] + torch.arange(width, device=device)  # [B, n] padding rows write scratch
         n_cols = int(cols.max()) + 1
         mask = torch.arange(n_cols, device=device) <= cols[..., None]  # [B, n, L] own prefix, causal
@@ -517,9 +529,12 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
             mask = mask & valid[:, None]
         last = torch.tensor(counts, device=device) - 1  # [B]
         with torch.no_grad():
-            logits, g_next = head(ids.to(device), head.combine(feats), cols, mask, cache, cols, rows=last)
+            g = head.combine(feats) if self.reads_features else None
+            logits, g_next = head(ids.to(device), g, cols, mask, cache, cols, rows=last)
         if not is_view:
-            self.store.write_back(cache, slots, [(first, first + c) for (_, first, _), c in zip(todo, counts)])
+            unsaved = 0 if self.persist_last else 1  # the root entry waits for its slot (class comment)
+            self.store.write_back(cache, slots, [(first, first + c - unsaved)
+                                                 for (_, first, _), c in zip(todo, counts)])
         for b, (st, first, toks) in enumerate(todo):
             st.length = first + counts[b]
             st.entry_tokens.extend(toks)

@@ -151,12 +151,13 @@ class _Attention(nn.Module):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, cache: KV | None,
-           cols: torch.Tensor | None) -> torch.Tensor:
+           cols: torch.Tensor | None, scale: float | None = None) -> torch.Tensor:
     """The head's attention for rows of B requests: q [B, n, H, D], k / v [B, n, Hkv, D] (roped), mask
     [B, n, L] bool over the attended columns. Returns [B, n, H * D].
 
     cache: keys / values [B, Hkv, C, D]; the rows' own keys / values are written in place at columns
     cols [B, n] and the rows attend over columns [0, L). None: the rows attend to each other (L = n).
+    scale: of the scores (None: 1 / sqrt(D)).
     """
     bsz, n, heads, _ = q.shape
     if cache is None:
@@ -167,7 +168,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
         cache[1][b, :, cols] = v
         cols_l = mask.shape[-1]
         keys, values = cache[0][:, :, :cols_l], cache[1][:, :, :cols_l]  # [B, Hkv, L, D]
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None],
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=scale,
                                          enable_gqa=heads != k.shape[2])  # [B, H, n, D]
     return out.transpose(1, 2).reshape(bsz, n, -1)
 

@@ -147,13 +147,15 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
               the target's commit skips them (their entries are written by the head itself).
         Removal: tree attention metadata for draft models in V2's draft-model speculators (the head's KV would
               then be read by vLLM's backend, block table and all).
-    P18 (v2/draft_head.py) Model Runner V2 with an EAGLE-3 / EAGLE tree drafter: the head is built by vLLM's EAGLE
-        loader (load_eagle_model) from an `eagle3` / `eagle` SpeculativeConfig for the head's path, under a shallow copy of the
+    P18 (v2/draft_head.py) Model Runner V2 with an EAGLE-3 / EAGLE / draft-model tree drafter: the EAGLE head is
+        built by vLLM's EAGLE loader (load_eagle_model), the draft model by get_model under the draft's model and
+        parallel configs with prefix "draft_model" (as vLLM's StandaloneARSpeculator.load_draft_model), each
+        from an `eagle3` / `eagle` / `draft_model` SpeculativeConfig for the checkpoint, under a shallow copy of the
         runner's config (that speculative config; a cache config copy of full attention in the model dtype);
         each of its Attention layers gets, on the instance, a forward that runs the drafter's tree-masked
         attention over K/V gathered from its own pages (P17); its LlamaModel's torch.compile wrapper is
         bypassed (do_not_compile: tree levels change shape every step).
-        Why: the head should be vLLM's class (its TP-sharded linear layers, the target's shared embedding and
+        Why: the network should be vLLM's model (its TP-sharded linear layers, the target's shared embedding and
               LM head modules, vLLM's norms, RoPE and logits processor), but vLLM's draft attention is
               causal and a tree level needs the ancestor mask.
         Removal: tree attention metadata for draft models in V2's draft-model speculators (the head's

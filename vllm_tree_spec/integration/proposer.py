@@ -44,8 +44,9 @@ class DraftInput:
     ready: bool  # it has a new token to draft from (False: a partial prefill, part of its context is not computed)
 
 
-def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
-    """The tree drafter a config asks for."""
+def make_drafter(cfg: TreeSpecConfig, vllm_config=None, runner_kv: bool = False) -> TreeDrafter:
+    """The tree drafter a config asks for. runner_kv: the runner loads the drafter's network and keeps its KV
+    (Model Runner V2: `integration/v2/draft_head.py`, `draft_kv.py`)."""
     depth = max(1, cfg.num_slots)
     if cfg.drafter == "suffix":
         from vllm_tree_spec.drafters.suffix import SuffixTreeDrafter
@@ -67,6 +68,11 @@ def make_drafter(cfg: TreeSpecConfig, vllm_config=None) -> TreeDrafter:
         policy = _model_policy(cfg)
         dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", torch.float32)
         device = getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu"  # the target's
+        if runner_kv:
+            from vllm_tree_spec.drafters.draft_model_paged import RunnerDraftModelTreeDrafter
+
+            return RunnerDraftModelTreeDrafter(None, policy, path=cfg.model, dtype=dtype, device=device,
+                                               seed=cfg.seed or 0)
         return DraftModelTreeDrafter.from_pretrained(cfg.model, policy, dtype=dtype, seed=cfg.seed or 0,
                                                      device=device)
     if cfg.drafter == "mtp":
@@ -149,13 +155,13 @@ def _static_shape(layout):
 
 
 class TreeProposer:
-    def __init__(self, vllm_config) -> None:
+    def __init__(self, vllm_config, runner_kv: bool = False) -> None:
         raw = (vllm_config.additional_config or {}).get("tree_spec")
         if raw is None:
             raise RuntimeError("TreeProposer needs additional_config['tree_spec']; use method 'tree'")
         self.cfg = TreeSpecConfig(**raw)
         self.vllm_config = vllm_config
-        self.drafter = make_drafter(self.cfg, vllm_config)
+        self.drafter = make_drafter(self.cfg, vllm_config, runner_kv)
         # budgets "auto": the online shape policy chooses which part of each proposal is verified
         from vllm_tree_spec.integration.shape_policy import make_shape_policy
 
@@ -259,8 +265,8 @@ class TreeProposer:
     @property
     def observes_target(self) -> bool:
         """Whether the drafter reads the target's rows (EAGLE-3, EAGLE-1, MTP): only then does the runner
-        collect them."""
-        return hasattr(self.drafter, "observe_target")
+        collect them; a draft model on the runner's pages has the EAGLE drafters' methods but reads none)."""
+        return hasattr(self.drafter, "observe_target") and getattr(self.drafter, "reads_features", True)
 
     def observe_target(self, req_ids, rows, positions, aux_hidden_states=None, hidden_states=None) -> None:
         """The target rows each request committed this step (drafters that read the target's hidden states:

@@ -361,6 +361,7 @@ V2_SIGNATURES: dict[str, tuple[str, ...] | None] = {
     "vllm.model_executor.models.llama_eagle.EagleLlamaForCausalLM.forward": (
         "self", "input_ids", "positions", "hidden_states", "inputs_embeds"),
     "vllm.model_executor.layers.attention.Attention.forward": None,
+    "vllm.model_executor.model_loader.get_model": ("vllm_config", "model_config", "prefix", "load_config"),
     # the V2 workers
     "vllm.v1.worker.cpu_worker.CPUWorker.init_device": ("self",),
     "vllm.v1.worker.cpu_worker.CPUWorker.load_model": ("self", "load_dummy_weights"),
@@ -394,7 +395,11 @@ V2_ATTRIBUTES = (
     *ATTRIBUTES["common"][1:],  # P2: the backend registry
     # P18: the head's eagle3 / eagle speculative config (built by keyword) and the view's cache config
     *(f"vllm.config.speculative.SpeculativeConfig.{f}" for f in (
-        "method", "model", "num_speculative_tokens", "target_model_config", "target_parallel_config")),
+        "method", "model", "num_speculative_tokens", "target_model_config", "target_parallel_config",
+        "draft_model_config", "draft_parallel_config")),
+    *(f"vllm.config.vllm.VllmConfig.{f}" for f in (  # replaced for the draft model's config, as vLLM does
+        "model_config", "quant_config", "parallel_config", "cache_config", "speculative_config")),
+    "vllm.config.parallel.ParallelConfig.rank",
     "vllm.config.cache.CacheConfig.cache_dtype", "vllm.config.cache.CacheConfig.sliding_window",
 )
 V2_PLATFORM_ATTRIBUTES = {
@@ -415,7 +420,7 @@ V2_STATE = (  # the runner's instance attributes the V2 adapter reads (checked a
     f"{_V2}.model_runner.GPUModelRunner.structured_outputs_worker", f"{_V2}.model_runner.GPUModelRunner.model",
     "vllm.model_executor.layers.attention.Attention.kv_cache",  # P17: the head's pages, as vLLM bound them
     *(f"vllm.model_executor.layers.attention.Attention.{a}" for a in (  # P18: the head's attention layers
-        "num_heads", "num_kv_heads", "head_size", "layer_name")),
+        "num_heads", "num_kv_heads", "head_size", "layer_name", "sliding_window", "impl")),
     *(f"vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM.{a}" for a in (
         "model", "lm_head", "logits_processor", "draft_id_to_target_id", "config")),
     *(f"vllm.model_executor.models.llama_eagle.EagleLlamaForCausalLM.{a}" for a in (

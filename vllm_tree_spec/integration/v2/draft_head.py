@@ -30,7 +30,7 @@ from torch import nn
 from vllm_tree_spec.drafters import eagle_head
 from vllm_tree_spec.drafters.eagle3_head import Eagle3Config, attend, to_target_vocab
 
-METHODS = ("eagle3", "eagle")  # the drafter keys whose heads are vLLM's classes on V2 (vLLM's method names)
+METHODS = ("eagle3", "eagle", "draft_model")  # drafter keys whose networks are vLLM's on V2 (vLLM's methods)
 
 
 def head_view(vllm_config, method: str, path: str, num_speculative_tokens: int):
@@ -53,11 +53,15 @@ def head_view(vllm_config, method: str, path: str, num_speculative_tokens: int):
 
 
 def load_vllm_head(runner) -> bool:
-    """At load: an EAGLE-3 / EAGLE tree drafter gets vLLM's head (False: no such drafter)."""
+    """At load: an EAGLE-3 / EAGLE / draft-model tree drafter gets vLLM's network (False: no such drafter)."""
     drafter = getattr(runner.drafter, "drafter", None)
-    if getattr(drafter, "key", None) not in METHODS or drafter.head is not None:
+    key = getattr(drafter, "key", None)
+    if key not in METHODS or getattr(drafter, "head", True) is not None:
         return False
-    drafter.set_head(load_vllm_eagle_head(runner, drafter.key, drafter.path))
+    if key == "draft_model":
+        drafter.set_head(load_vllm_draft_model(runner, drafter.path))
+    else:
+        drafter.set_head(load_vllm_eagle_head(runner, key, drafter.path))
     return True
 
 
@@ -72,42 +76,54 @@ def load_vllm_eagle_head(runner, method: str, path: str) -> "VllmEagleHead":
     return VllmEagleHead(model, method)
 
 
-class VllmEagleHead(nn.Module):
-    """vLLM's `Eagle3LlamaForCausalLM` / `EagleLlamaForCausalLM` behind the drafters' head interface (module
-    docstring)."""
+def load_vllm_draft_model(runner, path: str) -> "VllmDraftModel":
+    """vLLM's model for a draft checkpoint, loaded as vLLM's standalone draft-model speculator loads it
+    (`StandaloneARSpeculator.load_draft_model`: the draft's model and parallel configs, no quantization,
+    layer names under "draft_model"), with the head view's cache config (`head_view`)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
 
-    def __init__(self, model: nn.Module, method: str):
+    vc = runner.vllm_config
+    view = head_view(vc, "draft_model", path, vc.speculative_config.num_speculative_tokens)
+    spec = view.speculative_config
+    draft = replace(view, model_config=spec.draft_model_config, quant_config=None,
+                    parallel_config=replace(spec.draft_parallel_config, rank=vc.parallel_config.rank))
+    with set_current_vllm_config(draft):
+        model = get_model(vllm_config=draft, prefix="draft_model")
+    return VllmDraftModel(model)
+
+
+class _VllmTreeNetwork(nn.Module):
+    """A vLLM model whose attention layers run the drafter's tree-masked attention (`eagle3_head.attend`) over
+    the K/V the drafter hands each forward (`cache`: per layer [B, H_kv, C, D], gathered from the layers' pages)
+    instead of vLLM's backend; each rank attends with its own heads."""
+
+    def __init__(self, model: nn.Module, attns: list):
         super().__init__()
         self.model = model
-        model.model.do_not_compile = True  # drafting runs eagerly: a tree level's shapes vary every step
-        self.attns = [layer.self_attn.attn for layer in model.model.layers]
-        a = self.attns[0]
-        cfg = Eagle3Config.from_hf(model.config) if method == "eagle3" else eagle_head.config_from_hf(model.config)
-        self.cfg: Eagle3Config = replace(cfg, heads=a.num_heads, kv_heads=a.num_kv_heads)
-        self.layer_names = [attn.layer_name for attn in self.attns]
+        inner = getattr(model, "model", None)
+        if inner is not None and hasattr(inner, "do_not_compile"):
+            inner.do_not_compile = True  # drafting runs eagerly: a tree level's shapes vary every step
+        self.attns = attns
+        self.layer_names = [attn.layer_name for attn in attns]
         self._call = None  # (mask, cache, cols, B, n) of the forward in progress
-        for i, attn in enumerate(self.attns):
+        for i, attn in enumerate(attns):
             attn.tree_draft_kv = True  # the target's commit leaves its slots alone (commit.py)
             attn.forward = self._attention(i)
-        d2t = getattr(model, "draft_id_to_target_id", None)
-        d2t = torch.zeros(self.cfg.draft_vocab, dtype=torch.long) if d2t is None else d2t.detach().clone()
-        self.register_buffer("d2t", d2t.to(next(model.parameters()).device))
 
     def _attention(self, i: int):
         attn = self.attns[i]
+        scale = getattr(attn.impl, "scale", None)
 
         def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             mask, cache, cols, bsz, n = self._call  # q [B*n, H*D], k / v [B*n, H_kv*D], roped by vLLM
             d = attn.head_size
             out = attend(q.view(bsz, n, attn.num_heads, d), k.view(bsz, n, attn.num_kv_heads, d),
-                         v.view(bsz, n, attn.num_kv_heads, d), mask, None if cache is None else cache[i], cols)
+                         v.view(bsz, n, attn.num_kv_heads, d), mask, None if cache is None else cache[i], cols,
+                         scale=scale)
             return out.reshape(bsz * n, -1)
 
         return forward
-
-    @property
-    def feature_size(self) -> int:
-        return self.cfg.num_aux * self.cfg.target_hidden
 
     @property
     def target_ids(self) -> torch.Tensor:
@@ -117,20 +133,17 @@ class VllmEagleHead(nn.Module):
         """[..., V_draft] -> [..., V] over the target vocabulary (-inf outside the draft vocabulary)."""
         return to_target_vocab(draft_logits, self.target_ids, self.cfg.vocab, float("-inf"))
 
-    def combine(self, aux: torch.Tensor) -> torch.Tensor:
-        """The target's features -> g: EAGLE-3 [..., num_aux * H_target] -> [..., H] (vLLM's
-        `combine_hidden_states`); EAGLE-1: the target's hidden state is the feature."""
-        combine = getattr(self.model, "combine_hidden_states", None)
-        if combine is None:
-            return aux
-        return combine(aux.reshape(-1, aux.shape[-1])).view(*aux.shape[:-1], -1)
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, g: torch.Tensor | None):
+        """vLLM's forward on T flat rows: (hidden [T, H] for the logits, g' [T, H])."""
+        raise NotImplementedError
 
     def forward(self, tokens, g, positions, mask, cache=None, cols=None, rows=None):
         """As `Eagle3Head.forward`: (draft logits [B, n, V_draft], g' [B, n, H]), or [B, ...] with rows."""
         bsz, n = tokens.shape
         self._call = (mask, cache, cols, bsz, n)
         try:
-            h, g_next = self.model(tokens.reshape(-1), positions.reshape(-1), g.reshape(bsz * n, -1))
+            h, g_next = self._run(tokens.reshape(-1), positions.reshape(-1),
+                                  None if g is None else g.reshape(bsz * n, -1))
         finally:
             self._call = None
         h, g_next = h.view(bsz, n, -1), g_next.view(bsz, n, -1)
@@ -139,3 +152,69 @@ class VllmEagleHead(nn.Module):
             h, g_next = h[b, rows], g_next[b, rows]  # [B, H]
         logits = self.model.logits_processor(self.model.lm_head, h.reshape(-1, h.shape[-1]))
         return logits.view(*h.shape[:-1], -1), g_next
+
+
+class VllmEagleHead(_VllmTreeNetwork):
+    """vLLM's `Eagle3LlamaForCausalLM` / `EagleLlamaForCausalLM` behind the drafters' head interface (module
+    docstring)."""
+
+    def __init__(self, model: nn.Module, method: str):
+        super().__init__(model, [layer.self_attn.attn for layer in model.model.layers])
+        a = self.attns[0]
+        cfg = Eagle3Config.from_hf(model.config) if method == "eagle3" else eagle_head.config_from_hf(model.config)
+        self.cfg: Eagle3Config = replace(cfg, heads=a.num_heads, kv_heads=a.num_kv_heads)
+        d2t = getattr(model, "draft_id_to_target_id", None)
+        d2t = torch.zeros(self.cfg.draft_vocab, dtype=torch.long) if d2t is None else d2t.detach().clone()
+        self.register_buffer("d2t", d2t.to(next(model.parameters()).device))
+
+    @property
+    def feature_size(self) -> int:
+        return self.cfg.num_aux * self.cfg.target_hidden
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        """The target's features -> g: EAGLE-3 [..., num_aux * H_target] -> [..., H] (vLLM's
+        `combine_hidden_states`); EAGLE-1: the target's hidden state is the feature."""
+        combine = getattr(self.model, "combine_hidden_states", None)
+        if combine is None:
+            return aux
+        return combine(aux.reshape(-1, aux.shape[-1])).view(*aux.shape[:-1], -1)
+
+    def _run(self, tokens, positions, g):
+        return self.model(tokens, positions, g)
+
+
+class VllmDraftModel(_VllmTreeNetwork):
+    """vLLM's model of a draft checkpoint (any decoder whose layers are vLLM `Attention` layers without a sliding
+    window, logit cap, ALiBi or sinks) behind the drafters' head interface: no features, the target's vocabulary
+    (same tokenizer), g' = the final hidden state (unused)."""
+
+    feature_size = 0
+
+    def __init__(self, model: nn.Module):
+        from vllm.model_executor.layers.attention import Attention
+
+        attns = [m for m in model.modules() if isinstance(m, Attention)]
+        if not attns:
+            raise ValueError(f"draft model {type(model).__name__}: no vLLM Attention layers to draft trees with")
+        for a in attns:
+            extra = ["sliding_window"] if a.sliding_window is not None else []
+            extra += [f for f in ("alibi_slopes", "sinks") if getattr(a.impl, f, None) is not None]
+            extra += ["logits_soft_cap"] if getattr(a.impl, "logits_soft_cap", None) else []
+            if extra:
+                raise ValueError(f"draft model {type(model).__name__}: layer {a.layer_name} uses {extra}, which "
+                                 f"the tree drafter's attention does not apply; use a draft model without them")
+        super().__init__(model, attns)
+        hf, a = model.config, attns[0]
+        vocab = int(model.logits_processor.org_vocab_size if hasattr(model.logits_processor, "org_vocab_size")
+                    else hf.vocab_size)
+        self.cfg = Eagle3Config(hidden=hf.hidden_size, target_hidden=hf.hidden_size, num_aux=0, layers=len(attns),
+                                heads=a.num_heads, kv_heads=a.num_kv_heads, head_dim=a.head_size, intermediate=0,
+                                vocab=vocab, draft_vocab=vocab, eps=0.0, max_position=0, rope_parameters=None)
+        self.register_buffer("d2t", torch.zeros(vocab, dtype=torch.long, device=next(model.parameters()).device))
+
+    def combine(self, aux: torch.Tensor) -> torch.Tensor:
+        return aux
+
+    def _run(self, tokens, positions, g):
+        h = self.model(input_ids=tokens, positions=positions)
+        return h, h

@@ -72,7 +72,7 @@ class TreeSpeculator(BaseSpeculator):
         self.device = device
         self.num_speculative_steps = vllm_config.speculative_config.num_speculative_tokens  # K
         self.max_model_len = vllm_config.model_config.max_model_len
-        self.proposer = TreeProposer(vllm_config)
+        self.proposer = TreeProposer(vllm_config, runner_kv=True)  # model drafters: vLLM's networks, paged KV
         self.cfg = self.proposer.cfg
         self.requests: dict[str, RequestView] = {}
         self.trees: dict[str, object] = {}  # req_id -> the TreeProposal of its last draft
