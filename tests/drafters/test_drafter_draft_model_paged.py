@@ -4,8 +4,10 @@ pages (`drafters/draft_model_paged.py`, `integration/v2/draft_head.py`, `integra
 In a child process (vLLM's distributed state): vLLM's model of a tiny Llama draft, loaded by the plugin's V2
 loader, drafts three requests over three steps from pages in the GPU backends' layout with scattered block
 ids. Each request's blocks cover its committed tokens but the root's (the strictest allocation a runner can
-have at drafting time: the root's slot comes with the target's next step). The trees must be those of the
-transformers draft-model drafter (V1's) on the same checkpoint, q within float rounding, at every step.
+have at drafting time: the root's slot comes with the target's next step), prompts fed in 7-entry chunks, and
+in the last step two tree sessions (a smaller budget for one request) share the step's feed batch. The
+trees must be those of the transformers draft-model drafter (V1's) on the same checkpoint, q within float
+rounding, at every step.
 
 Control (same child): writing the root's entry at once (`persist_last`) writes past the request's blocks, into
 another entry's slot, and the drafts of the following steps move.
@@ -49,7 +51,9 @@ def scenario(drafter, grow=None) -> dict:
                 drafter.start_request(rid, toks[:-1])
             if grow is not None:
                 grow(rid, len(toks) - 1)  # every committed token's slot but the root's
-        props = drafter.propose([DraftRequest(rid, toks, 0.0) for rid, toks in reqs.items()], SHAPE.num_nodes)
+        # the last step gives b a smaller budget: two tree sessions, each on part of the step's feed batch
+        budgets = [SHAPE.num_nodes, 3 if step == 2 else SHAPE.num_nodes, SHAPE.num_nodes]
+        props = drafter.propose([DraftRequest(rid, toks, 0.0) for rid, toks in reqs.items()], budgets)
         out["tokens"] += [p.tree.tokens.tolist() for p in props]
         out["q"] += [p.draft_probs for p in props]
         reqs = {rid: toks + torch.randint(7, VOCAB, (1 + step,), generator=g).tolist() for rid, toks in reqs.items()}
@@ -95,6 +99,7 @@ CHILD = textwrap.dedent("""
         store.attach(ctx, BLOCK)
         drafter = RunnerDraftModelTreeDrafter(None, StaticPolicy.of(SHAPE), path={model!r}, return_draft_probs=True)
         drafter.persist_last = persist_last
+        drafter.feed_chunk = 7 if not persist_last else None  # prompts fed in 7-entry chunks (the control: whole)
         drafter.set_head(net)
         drafter.use_runner_kv(store)
         with torch.no_grad():

@@ -16,6 +16,7 @@ step later, when its slot exists (`persist_last`). The V1 runner keeps `DraftMod
 from __future__ import annotations
 
 from vllm_tree_spec.drafters.base import DrafterError
+from vllm_tree_spec.drafters.draft_model import PREFILL_CHUNK
 from vllm_tree_spec.drafters.eagle3 import Eagle3TreeDrafter
 
 
@@ -28,6 +29,7 @@ class RunnerDraftModelTreeDrafter(Eagle3TreeDrafter):
     entry_shift = 0
     reads_features = False
     persist_last = False
+    feed_chunk = PREFILL_CHUNK  # a prompt is computed here, not by the target's chunked prefill
 
     def load_model(self, target_model=None) -> None:
         if self.head is None:

@@ -139,6 +139,9 @@ class _TreeSession(LevelSession):
         self.slots = [s.slot for s in states]
         self.cap = TREE_RESERVE
         self.cache, self.is_view = drafter.store.batch(self.slots, self.l_max + self.cap)
+        if not drafter.persist_last and not getattr(drafter.store, "reused", False):
+            # the roots' entries are only in the batch the step's feed wrote back (class comment)
+            raise DrafterError("tree session: the step's feed batch (with the roots' entries) was not reused")
         batch = len(states)
         self.anc = torch.zeros(batch, self.cap, self.cap, dtype=torch.bool, device=device)  # [B, S, S]
         self.feats = torch.zeros(batch, self.cap, drafter.head.cfg.hidden, dtype=drafter.dtype, device=device)
@@ -249,6 +252,7 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
     entry_shift = 1
     reads_features = True
     persist_last = True
+    feed_chunk: int | None = None  # entries per request per feed forward (None: all; the target chunks EAGLE's)
 
     def __init__(self, head: Eagle3Head | None, policy: TreePolicy | Any, *, path: str | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", seed: int = 0,
@@ -369,6 +373,7 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
         """Feed every request's new committed entries through the head in one forward (and one more per
         prefix-cache hit length in the batch)."""
         states = [self._states[r.req_id] for r in requests]
+        self.store.begin_step()
         todo: list[tuple[_RequestState, int, list[int]]] = []  # (state, first entry, entry tokens)
         fed: list[tuple[_RequestState, list[int]]] = []  # (state, committed tokens) of every request in todo
         hits: dict[int, list[tuple[_RequestState, int, list[int]]]] = {}  # prefix-cache hits by their length
@@ -407,8 +412,21 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
 
     def _feed_and_archive(self, todo: list[tuple[_RequestState, int, list[int]]],
                           fed: list[tuple[_RequestState, list[int]]]) -> None:
-        if todo:
+        chunk = self.feed_chunk
+        if todo and chunk is None:
             self._feed(todo)
+        elif todo:  # a drafter that computes whole prompts itself feeds them in chunks (they bound the mask),
+            # aligned so that every request's last chunk is in the last forward: its batch, roots included,
+            # is the one the tree levels reuse (PagedHeadKV.batch)
+            rounds = max(-(-len(toks) // chunk) for _, _, toks in todo)
+            for r in range(rounds):
+                part = []
+                for st, first, toks in todo:
+                    end = len(toks) - (rounds - 1 - r) * chunk  # this request's entries up to `end` by round r
+                    if end > 0:
+                        start = max(0, end - chunk)
+                        part.append((st, first + start, toks[start:end]))
+                self._feed(part, final=[r == rounds - 1] * len(part))
         if self._restores:
             for st, tokens in fed:
                 self._archive(st, tokens)
@@ -504,8 +522,9 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
                       tokens[(j + 1) * size])
         st.archived = full
 
-    def _feed(self, todo: list[tuple[_RequestState, int, list[int]]]) -> None:
-        """New entries of several requests: one forward, KV written into each request's slot."""
+    def _feed(self, todo: list[tuple[_RequestState, int, list[int]]], final: list[bool] | None = None) -> None:
+        """New entries of several requests: one forward, KV written into each request's slot. final: whether
+        each request's entries end at its root (default: all do)."""
         head, device = self.head, self.device
         batch, width = len(todo), max(len(t) for _, _, t in todo)
         firsts = torch.tensor([first for _, first, _ in todo], device=device)  # [B]
@@ -532,9 +551,10 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
             g = head.combine(feats) if self.reads_features else None
             logits, g_next = head(ids.to(device), g, cols, mask, cache, cols, rows=last)
         if not is_view:
-            unsaved = 0 if self.persist_last else 1  # the root entry waits for its slot (class comment)
-            self.store.write_back(cache, slots, [(first, first + c - unsaved)
-                                                 for (_, first, _), c in zip(todo, counts)])
+            final = final or [True] * batch
+            unsaved = [int(f and not self.persist_last) for f in final]  # the root waits for its slot (class comment)
+            self.store.write_back(cache, slots, [(first, first + c - u)
+                                                 for (_, first, _), c, u in zip(todo, counts, unsaved)])
         for b, (st, first, toks) in enumerate(todo):
             st.length = first + counts[b]
             st.entry_tokens.extend(toks)

@@ -27,6 +27,9 @@ class HeadKVSlots:
         self.valid = torch.ones(0, 0, dtype=torch.bool, device=device)  # [rows, capacity] False: a hole
         self.has_holes = False
 
+    def begin_step(self) -> None:
+        """A drafting step starts (the paged store forgets the previous step's batch)."""
+
     def acquire(self, req_id=None) -> int:
         if self.free:
             return self.free.pop()

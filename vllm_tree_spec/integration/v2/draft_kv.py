@@ -54,6 +54,7 @@ class PagedHeadKV(HeadKVSlots):
         self.records: dict[int, tuple[bytes, int]] = {}  # block id -> (content key, token after the block)
         self.stats: PrefixStats | None = None  # set when prefix caching is on
         self._last: tuple[list[int], list] | None = None  # the batch last written back: (slots, per-layer K/V)
+        self.reused = False  # the last `batch` was the one last written back
 
     def attach(self, forward_context: dict, block_size: int) -> None:
         """After vLLM allocated and bound the caches: each layer's cache and layout."""
@@ -110,14 +111,21 @@ class PagedHeadKV(HeadKVSlots):
         else:
             kv_layout.paged_write(cache, slots, k, v)
 
+    def begin_step(self) -> None:
+        self._last = None
+
     def batch(self, slots: list[int], cols: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
         """Per layer KV [B, H_kv, cols, D] of these slots' positions 0..cols-1, gathered from the cache (a
-        copy: write new entries back with `write_back`). A step's tree session asks for the batch its feed
-        just wrote back: that copy is reused (it equals the pages), widened with zero columns."""
+        copy: write new entries back with `write_back`). A step's tree sessions ask for rows of the batch its
+        feed wrote back: those rows are reused (they equal the pages, and hold what a drafter does not write
+        to them yet: a draft model's roots), widened with zero columns. Sessions of one step hold disjoint
+        requests and write only past their requests' entries, so the batch stays good for the step."""
         self.reserve(cols)
-        last, self._last = self._last, None
-        if last is not None and last[0] == slots:
-            return [tuple(self._widen(t, cols) for t in kv) for kv in last[1]], False
+        last = self._last
+        self.reused = last is not None and set(slots) <= set(last[0])
+        if self.reused:
+            rows = None if last[0] == slots else torch.tensor([last[0].index(s) for s in slots], device=self.device)
+            return [tuple(self._widen(t if rows is None else t[rows], cols) for t in kv) for kv in last[1]], False
         where = self._slots(slots, cols).flatten()  # [B * cols]
         out = []
         for cache, layout, isa in self.caches:
