@@ -1,22 +1,24 @@
-"""The EAGLE tree heads as vLLM's own models on Model Runner V2 (patch record P18).
+"""The model drafters' networks as vLLM's own models on Model Runner V2 (patch record P18).
 
 vLLM's linear `eagle3` / `eagle` load their head with `load_eagle_model` (`v1/worker/gpu/spec_decode/eagle/
 utils.py`): `Eagle3LlamaForCausalLM` / `EagleLlamaForCausalLM` built from an `eagle3` / `eagle` speculative
 config, weights through vLLM's loader (tensor-parallel shards on every rank), the target's embedding and LM
-head shared as modules where the head has none. The tree drafters load the same way (`load_vllm_head`), so
-their head is vLLM's class with vLLM's parallel linear layers, norms, RoPE and logits processor; only its
-attention differs: a tree level needs an ancestor mask, which vLLM's draft attention cannot express.
+head shared as modules where the head has none. Its standalone draft-model speculator loads a draft
+checkpoint with `get_model` under the draft's model and parallel configs, layers named under "draft_model".
+The tree drafters load the same way (`load_vllm_head`), so their network is vLLM's model with vLLM's parallel
+linear layers, norms, RoPE and logits processor; only its attention differs: a tree level needs an ancestor
+mask, which vLLM's draft attention cannot express.
 
-The head's `Attention` layers are vLLM's (registered by the model, so vLLM counts and allocates their pages
-with the target's: `draft_kv.py` reads and writes them). Each one's forward is replaced on the instance by
-the drafter's masked attention (`eagle3_head.attend`) over the request's entries gathered from those pages
-plus the tree's columns: each rank attends with its own heads over its own shard of the KV, and the row-
-parallel output projection sums the ranks, as in vLLM's forward.
+The network's `Attention` layers are vLLM's (registered by the model, so vLLM counts and allocates their
+pages with the target's: `draft_kv.py` reads and writes them). Each one's forward is replaced on the
+instance by the drafter's masked attention (`eagle3_head.attend`) over the request's entries gathered from
+those pages plus the tree's columns: each rank attends with its own heads over its own shard of the KV, and
+the row-parallel output projection sums the ranks, as in vLLM's forward.
 
-`VllmEagleHead` gives the drafters (`drafters/eagle3.py`, `drafters/eagle.py`) the interface of the plugin's
-PyTorch heads (`eagle3_head.Eagle3Head`, `eagle_head.EagleHead`, which the V1 runner keeps): `cfg` (heads
-and KV heads: this rank's), `combine`, `forward(tokens, g, positions, mask, cache, cols, rows)`,
-`target_ids`.
+`VllmEagleHead` and `VllmDraftModel` give the drafters (`drafters/eagle3.py`, `drafters/eagle.py`,
+`drafters/draft_model_paged.py`) the interface of the plugin's PyTorch heads (`eagle3_head.Eagle3Head`,
+`eagle_head.EagleHead`, which the V1 runner keeps): `cfg` (heads and KV heads: this rank's), `combine`,
+`forward(tokens, g, positions, mask, cache, cols, rows)`, `target_ids`.
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ METHODS = ("eagle3", "eagle", "draft_model")  # drafter keys whose networks are 
 
 
 def head_view(vllm_config, method: str, path: str, num_speculative_tokens: int):
-    """The runner's config as vLLM's EAGLE loader expects it: an `eagle3` / `eagle` speculative config for the head
-    (vLLM builds the head's model config, dtype and parallel config), and a cache config of full attention
+    """The runner's config as vLLM's loaders expect it: an `eagle3` / `eagle` / `draft_model` speculative config
+    for the checkpoint (vLLM builds its model config, dtype and parallel config), and a cache config of full attention
     in the model's dtype (never the target's sliding window: vLLM would free blocks the head still reads;
     never a quantized KV dtype: the head writes its K/V as computed). The compilation config is the
     runner's, so the head's layers join its forward context."""
