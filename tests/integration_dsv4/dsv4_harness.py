@@ -85,7 +85,7 @@ def run_dsv4(model: str, prompts, params, spec: dict | None = None, *, max_model
     kwargs.update(engine_kwargs)
     orig_make = proposer_mod.make_drafter
     if drafter_factory is not None:
-        proposer_mod.make_drafter = lambda cfg, vllm_config=None: drafter_factory(cfg)
+        proposer_mod.make_drafter = lambda cfg, vllm_config=None, **_: drafter_factory(cfg)
     is_tree = spec is not None and spec.get("method") == "tree"
     ctx = contextlib.nullcontext() if is_tree else stock_tile_scheduler_fix()
     try:

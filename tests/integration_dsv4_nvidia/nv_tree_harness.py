@@ -45,7 +45,7 @@ def drafter(factory):
 
     orig = proposer_mod.make_drafter
     if factory is not None:
-        proposer_mod.make_drafter = lambda cfg, vllm_config=None: factory(cfg)
+        proposer_mod.make_drafter = lambda cfg, vllm_config=None, **_: factory(cfg)
     try:
         yield
     finally:

@@ -59,7 +59,7 @@ SITE = textwrap.dedent("""
         if truth_path:
             from vllm_tree_spec.integration import proposer
 
-            def make(cfg, vllm_config=None):
+            def make(cfg, vllm_config=None, **_):
                 from dsv4_harness import OracleTreeDrafter
                 d = json.load(open(truth_path))
                 return OracleTreeDrafter({tuple(p): o for p, o in zip(d["prompts"], d["outputs"])}, "random",

@@ -161,7 +161,7 @@ class TreeProposer:
             raise RuntimeError("TreeProposer needs additional_config['tree_spec']; use method 'tree'")
         self.cfg = TreeSpecConfig(**raw)
         self.vllm_config = vllm_config
-        self.drafter = make_drafter(self.cfg, vllm_config, runner_kv)
+        self.drafter = make_drafter(self.cfg, vllm_config, runner_kv=runner_kv)
         # budgets "auto": the online shape policy chooses which part of each proposal is verified
         from vllm_tree_spec.integration.shape_policy import make_shape_policy
 
