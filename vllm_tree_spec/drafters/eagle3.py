@@ -276,8 +276,10 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
         self.prefix_stats: PrefixStats | None = None
 
     def set_head(self, head: Eagle3Head) -> None:
-        """The head to draft with (a loaded `Eagle3Head`, or one with its interface: `integration/v2/draft_head.py`)."""
-        self.head = head.to(self.device, self.dtype).eval()
+        """The head to draft with (a loaded `Eagle3Head`, or one with its interface: `integration/v2/draft_head.py`).
+        A network the runner loaded is taken as it is: it shares modules with the target (embedding, LM head,
+        vLLM's cached RoPE), which a dtype cast would change under the target."""
+        self.head = (head if getattr(head, "loaded_by_runner", False) else head.to(self.device, self.dtype)).eval()
         self.vocab_size = head.cfg.vocab
         c = head.cfg
         self.store = DenseHeadKV(c.layers, c.kv_heads, c.head_dim, self.dtype, self.device)

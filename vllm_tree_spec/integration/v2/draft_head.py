@@ -100,6 +100,8 @@ class _VllmTreeNetwork(nn.Module):
     the K/V the drafter hands each forward (`cache`: per layer [B, H_kv, C, D], gathered from the layers' pages)
     instead of vLLM's backend; each rank attends with its own heads."""
 
+    loaded_by_runner = True  # on the runner's device and dtype, sharing modules with the target: never cast
+
     def __init__(self, model: nn.Module, attns: list):
         super().__init__()
         self.model = model
