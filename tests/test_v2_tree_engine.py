@@ -205,6 +205,33 @@ def test_eagle3_trees_with_prefix_caching(tiny_models, tmp_path):
 
 
 @ALL
+def test_eagle_head_sharded_over_two_ranks(tiny_models, tmp_path, monkeypatch):
+    """TP = 2 on V2 (mp workers, gloo; the emulation's shims installed in each worker): an EAGLE-1 head that
+    copies its target (q = p, without embed_tokens and lm_head: it shares the target's vocab-parallel
+    embedding and LM head modules) runs as vLLM's class with 2 of the 4 KV heads per rank, its pages in each
+    rank's cache; the output is identical to V1 without speculation and it accepts what it accepts at
+    TP = 1 (nearly every node)."""
+    from test_engine_eagle_tp import TREE, VOCAB as COPY_VOCAB, make_copy_heads
+
+    model, heads = make_copy_heads(tiny_models.root / "eagle-tp", tiny_models.tokenizer(COPY_VOCAB))
+    raw = repetitive_prompts(4, COPY_VOCAB, seed=7)
+    spec = {"method": "tree", "drafter": "eagle", "model": heads["eagle"], **TREE}
+    common = dict(max_tokens=24, enable_prefix_caching=False)
+    base = run_engine(model, raw, runner="V1", tmp_dir=tmp_path / "base", **common)
+    tp1 = run_engine(model, raw, runner="V2", tmp_dir=tmp_path / "tp1", speculative_config=spec, **common)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    tp2 = run_engine(model, raw, runner="V2", tmp_dir=tmp_path / "tp2", speculative_config=spec, **common,
+                     tensor_parallel_size=2, distributed_executor_backend="mp")
+    assert tp1["outputs"] == base["outputs"] and tp2["outputs"] == base["outputs"]
+    assert tp1["head_kv"]["kv_heads"] == 4 and tp2["head_kv"]["kv_heads"] == 2, (tp1["head_kv"], tp2["head_kv"])
+    assert tp2["head_kv"]["head"] == "VllmEagleHead" and tp2["head_kv"]["in_kv_cache_config"]
+    keys = ("rounds", "nodes", "accepted", "accepted_per_depth")
+    s1, s2 = ({k: r["tree_stats"][k] for k in keys} for r in (tp1, tp2))
+    print(f"V2 EAGLE-1 copy head: TP = 1 {s1}, TP = 2 {s2}")
+    assert s2 == s1 and s1["accepted"] > 2 * s1["rounds"], (s1, s2)
+
+
+@ALL
 @pytest.mark.parametrize("drafter", ["eagle3", "draft_model"])
 def test_model_drafters_survive_preemption(tiny_models, tmp_path, drafter):
     """EAGLE-3 and the draft model on V2 under a KV cache too small for their load (12 blocks of 32 tokens, 6
