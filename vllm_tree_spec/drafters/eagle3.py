@@ -389,7 +389,8 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
             if not want:
                 raise DrafterError(f"request {req.req_id!r}: EAGLE drafting needs >= 2 committed tokens")
             # re-feed at least the last entry (its output is q at the root), and every entry not in the pages
-            keep = max(0, min(common, len(want) - 1, st.length - (not self.persist_last)))
+            persisted = st.length if self.persist_last else max(0, st.length - 1)
+            keep = min(common, len(want) - 1, persisted)
             if keep < st.length:
                 st.length = keep
                 del st.entry_tokens[keep:]

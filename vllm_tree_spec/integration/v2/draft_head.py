@@ -58,7 +58,7 @@ def load_vllm_head(runner) -> bool:
     """At load: an EAGLE-3 / EAGLE / draft-model tree drafter gets vLLM's network (False: no such drafter)."""
     drafter = getattr(runner.drafter, "drafter", None)
     key = getattr(drafter, "key", None)
-    if key not in METHODS or getattr(drafter, "head", True) is not None:
+    if key not in METHODS or drafter.head is not None:
         return False
     if key == "draft_model":
         drafter.set_head(load_vllm_draft_model(runner, drafter.path))

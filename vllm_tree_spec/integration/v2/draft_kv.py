@@ -1,4 +1,4 @@
-"""An EAGLE head's committed KV in the runner's paged KV cache (Model Runner V2).
+"""A model drafter's committed KV (an EAGLE head's, a draft model's) in the runner's paged KV cache (Model Runner V2).
 
 vLLM allocates a KV cache for every attention layer registered in its forward context, out of the memory
 it budgets for KV (`gpu_memory_utilization`; `VLLM_CPU_KVCACHE_SPACE` on CPU), in the same blocks as the
@@ -236,7 +236,8 @@ class RunnerHeadKV:
 
 
 def attach_head_kv(runner) -> RunnerHeadKV | None:
-    """At load: an EAGLE drafter's head gets its KV in the runner's cache (None: no such drafter)."""
+    """At load: a model drafter's network (EAGLE heads, a draft model) gets its KV in the runner's cache (None: no
+    such drafter)."""
     drafter = getattr(runner.drafter, "drafter", None)
     if getattr(drafter, "use_runner_kv", None) is None or getattr(drafter, "head", None) is None:
         return None

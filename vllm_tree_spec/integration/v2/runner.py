@@ -111,12 +111,12 @@ class TreeV2RunnerMixin(TreeRunnerChecks):
     # -- start-up ---------------------------------------------------------------------------------
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
-        # EAGLE-3: the head is vLLM's own model, loaded by vLLM's EAGLE loader (draft_head.py); the other
-        # drafters' networks load themselves (sharing the target's embedding / LM head), as on V1
+        # EAGLE-3 / EAGLE / draft model: the network is vLLM's own model, loaded by vLLM's loaders (draft_head.py);
+        # the other drafters (MTP) load themselves, as on V1
         load_vllm_head(self)
         self.drafter.load_model(self.get_model())
         self.drafter.setup_runner(self)  # e.g. EAGLE-3: make the target return its aux hidden states (P7)
-        self._tree_head_kv = attach_head_kv(self)  # EAGLE heads: their KV in vLLM's blocks (draft_kv.py)
+        self._tree_head_kv = attach_head_kv(self)  # those networks' KV in vLLM's blocks (draft_kv.py)
         self.tree_adapter = select_adapter(self)
         self.tree_adapter.check(self)
         if self.drafter.observes_target:

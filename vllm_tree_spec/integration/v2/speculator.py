@@ -135,7 +135,8 @@ class TreeSpeculator(BaseSpeculator):
         drafter too (preempted ones as well where the drafter's state lived in their blocks)."""
         self.requests.pop(req_id, None)
         self.trees.pop(req_id, None)
-        # a drafter whose state lives in the request's blocks (EAGLE heads, draft_kv.py) loses it with them
+        # a drafter whose state lives in the request's blocks (EAGLE heads, a draft model: draft_kv.py) loses it
+        # with them
         if finished or getattr(self.proposer.drafter, "state_in_runner_kv", False):
             self.skip_logged.discard(req_id)
             self.proposer.finish_request(req_id)
