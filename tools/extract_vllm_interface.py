@@ -216,6 +216,17 @@ V2 = [
     "vllm.model_executor.models.llama_eagle.EagleLlamaForCausalLM.*",
     "vllm.config.cache.CacheConfig.cache_dtype",
     "vllm.config.cache.CacheConfig.sliding_window",
+    # the MTP tree drafter's network (v2/mtp_head.py): vLLM's DeepSeek-V4 MTP model, its attention's
+    # prepare-and-attend region replaced per instance
+    f"{_DSV4}.nvidia.mtp.DeepSeekV4MTP.*",
+    f"{_DSV4}.nvidia.mtp.DeepSeekV4MultiTokenPredictor.*",
+    f"{_DSV4}.nvidia.mtp.DeepSeekV4MultiTokenPredictorLayer.*",
+    f"{_DSV4}.nvidia.model.DeepseekV4DecoderLayer.attn",
+    *(f"{_DSV4}.attention.DeepseekV4Attention.{a}" for a in (
+        "_prepare_and_attn", "_wq_b_proj", "n_local_heads", "head_dim", "eps",
+        "rotary_emb", "attn_sink", "compressor", "indexer", "compress_ratio")),
+    "vllm.model_executor.model_loader.utils.get_model_cls",
+    "vllm.forward_context.set_forward_context",
     f"{_V2}.model_runner.ExecuteModelState.*",
     f"{_V2}.model_runner.BatchReqState.*",
     f"{_V2}.model_runner.sort_batch_req_ids",

@@ -73,7 +73,8 @@ def _caught_up(d: MTPTreeDrafter, tokens, pieces):
 
 
 def _chain_q(d: MTPTreeDrafter, st: _State, path):
-    """q after the path's last node, running the head one row at a time (the oracle)."""
+    """q after the path's last node, running the head one row at a time over the committed window and the path
+    (the oracle; any head with the drafter's head interface)."""
     h = d.head
     kv_list = [st.kv[i] for i in range(st.kv.shape[0])]
     kv_pos = list(range(st.kv_pos0, st.kv_pos0 + st.kv.shape[0]))
@@ -82,15 +83,16 @@ def _chain_q(d: MTPTreeDrafter, st: _State, path):
         p = st.root_pos - 1 + depth
 
         def ctx_fn(kv_new, p=p):
-            keep = [k for k, kp in zip(kv_list, kv_pos) if kp > p - SMALL.window]
+            keep = [k for k, kp in zip(kv_list, kv_pos) if kp > p - h.cfg.window]
             ctx = torch.stack(keep + [kv_new[0]])[None]
-            return ctx, torch.ones(1, ctx.shape[1], dtype=torch.bool)
+            return ctx, torch.ones(1, ctx.shape[1], dtype=torch.bool, device=ctx.device)
 
-        xo, kv, lg = h.forward(torch.tensor([tok]), torch.tensor([p]), x[None], ctx_fn)
+        xo, kv, lg = h.forward(torch.tensor([tok], device=d.device), torch.tensor([p], device=d.device), x[None],
+                               ctx_fn)
         kv_list.append(kv[0])
         kv_pos.append(p)
         x, logits = xo[0], lg[0]
-    return torch.softmax(logits, -1)
+    return torch.softmax(logits.float(), -1)
 
 
 @pytest.mark.parametrize("shape", ["s3_k2_d6", "[(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]"])

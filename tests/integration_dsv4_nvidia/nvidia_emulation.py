@@ -376,6 +376,9 @@ def install(*, fast: bool = True) -> tuple[Substitution, ...]:
 
     from vllm import ModelRegistry
     ModelRegistry.register_model("DeepseekV4ForCausalLM", _model_class())
+    # the MTP layer as vLLM's linear `mtp` builds it on NVIDIA (the CPU registry entry is vLLM's stub)
+    from vllm.models.deepseek_v4.nvidia.mtp import DeepSeekV4MTP
+    ModelRegistry.register_model("DeepSeekV4MTPModel", DeepSeekV4MTP)
     if fast:
         import fast_triton_ports
         fast_triton_ports.install()

@@ -409,18 +409,18 @@ class MTPTreeDrafter(TreeDrafter):
 
     # -- loading ------------------------------------------------------------------------------------
 
+    key = "mtp"  # the config's drafter key
+
+    def set_head(self, head) -> None:
+        """The head to draft with: an `MTPHead`, or one with its interface (`cfg`, `forward`): vLLM's MTP model on
+        Model Runner V2 (`integration/v2/mtp_head.py`)."""
+        self.head = head
+        self.vocab_size = head.cfg.vocab
+
     def load_model(self, target_model=None) -> None:
-        """Load the MTP layer; with a vLLM DeepSeek-V4 target, reuse its mHC ops and make it keep hidden states."""
-        if self.head is not None:
-            return
-        cfg = MTPConfig.from_hf(self.hf_config)
-        prefix = f"mtp.{self.layer}."
-        raw = load_checkpoint_tensors(self.model_dir, [prefix, "embed.", "head."])
-        if not any(k.startswith(prefix) for k in raw):
-            raise DrafterError(f"{self.model_dir}: no MTP layer {self.layer} tensors ({prefix}*) in the checkpoint")
-        tensors = {k[len(prefix):]: v for k, v in raw.items() if k.startswith(prefix)}
-        tensors.setdefault("embed.weight", raw["embed.weight"])
-        tensors.setdefault("head.weight", raw["head.weight"])
+        """Load the MTP layer unless a head is set; with a vLLM DeepSeek-V4 target, mix with its mHC ops and make it
+        keep its residual rows (the MTP layer's input)."""
+        cfg = self.head.cfg if self.head is not None else MTPConfig.from_hf(self.hf_config)
         ops = {}
         if target_model is not None:
             from vllm_tree_spec.integration.dsv4.mhc_ops import target_mhc_ops
@@ -434,8 +434,16 @@ class MTPTreeDrafter(TreeDrafter):
                     inner._mtp_hidden_buffer = torch.empty(
                         self.max_num_batched_tokens, cfg.hc * cfg.hidden, dtype=self.dtype, device=self.device)
                 self._hidden_source = target_model.get_mtp_target_hidden_states
-        self.head = MTPHead(tensors, cfg, dtype=self.dtype, device=self.device, **ops)
-        self.vocab_size = cfg.vocab
+        if self.head is not None:
+            return
+        prefix = f"mtp.{self.layer}."
+        raw = load_checkpoint_tensors(self.model_dir, [prefix, "embed.", "head."])
+        if not any(k.startswith(prefix) for k in raw):
+            raise DrafterError(f"{self.model_dir}: no MTP layer {self.layer} tensors ({prefix}*) in the checkpoint")
+        tensors = {k[len(prefix):]: v for k, v in raw.items() if k.startswith(prefix)}
+        tensors.setdefault("embed.weight", raw["embed.weight"])
+        tensors.setdefault("head.weight", raw["head.weight"])
+        self.set_head(MTPHead(tensors, cfg, dtype=self.dtype, device=self.device, **ops))
 
     # -- lifecycle ----------------------------------------------------------------------------------
 
@@ -480,7 +488,7 @@ class MTPTreeDrafter(TreeDrafter):
 
             def context_fn(kv_new, old=old, pos=pos, st=st):
                 allk = kv_new if old is None else torch.cat([old, kv_new])
-                kpos = torch.arange(st.kv_pos0, st.kv_pos0 + allk.shape[0])
+                kpos = torch.arange(st.kv_pos0, st.kv_pos0 + allk.shape[0], device=allk.device)
                 p = pos.to(kpos.device)[:, None]
                 valid = (kpos[None] <= p) & (kpos[None] > p - c.window)
                 return allk.unsqueeze(0).expand(len(pos), -1, -1), valid

@@ -160,6 +160,18 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
               causal and a tree level needs the ancestor mask.
         Removal: tree attention metadata for draft models in V2's draft-model speculators (the head's
               attention layers would then run vLLM's backend with a tree mask over their pages).
+    P19 (v2/mtp_head.py) Model Runner V2 with the MTP tree drafter on a DeepSeek-V4 target: vLLM's DeepSeekV4MTP,
+        built by vLLM's EAGLE / MTP loader (load_eagle_model) from an `mtp` SpeculativeConfig for the target's
+        checkpoint under a shallow copy of the runner's config, as vLLM's MTPSpeculator loads it; its MTP
+        layer's DeepseekV4Attention gets, on the instance, a `_prepare_and_attn` (and vLLM 0.32's alias
+        `_prepare_and_attn_fn`) that runs the query projection, vLLM's per-head norm and RoPE, and the
+        drafter's tree-masked attention over its own window store; the model runs under a forward context
+        without attention metadata (its MoE op finds its layer there). Kept to the PyTorch drive where vLLM's
+        DeepSeekV4MTP is its CPU stub.
+        Why: the layer should be vLLM's (its quantized linears and experts, TP shards, mHC kernels, logits),
+              but its sliding-window attention resolves a row's window by position, which siblings share.
+        Removal: tree-aware SWA metadata for DeepSeek-V4's draft layers (a per-row ancestor slot list), so
+              vLLM's sparse MLA kernel would read the tree rows from the paged window.
 
     L   (live_state.py) reads, changes nothing: the tree workers' `tree_live_state` method (reachable with
         vLLM's collective_rpc; served: POST /collective_rpc under VLLM_SERVER_DEV_MODE=1) lists the request

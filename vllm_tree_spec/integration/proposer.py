@@ -86,8 +86,9 @@ def make_drafter(cfg: TreeSpecConfig, vllm_config=None, runner_kv: bool = False)
         layout = cfg.layout()
         policy = DynamicPolicy.of(layout) if cfg.is_dynamic else StaticPolicy.of(_static_shape(layout))
         mc = vllm_config.model_config
+        device = getattr(getattr(vllm_config, "device_config", None), "device", None) or "cpu"  # the target's
         return MTPTreeDrafter(policy, model_dir=mc.model, hf_config=mc.hf_config,
-                              dtype=getattr(mc, "dtype", torch.bfloat16),
+                              dtype=getattr(mc, "dtype", torch.bfloat16), device=device,
                               max_num_batched_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
     if cfg.drafter in ("eagle3", "eagle"):
         import torch

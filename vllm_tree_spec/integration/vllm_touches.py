@@ -11,7 +11,7 @@ tools/extract_vllm_interface.py, whose targets must cover every path here):
                   path (integration/dsv4: D2-D5, vLLM's CPU layer classes and the kernels it replaces),
                   `"cuda"` the NVIDIA path (integration/dsv4/nvidia: N1-N7, vLLM 0.32's NVIDIA layer classes,
                   the metadata fields it rewrites, what it reads from the runner)
-    V2            the Model Runner V2 adapter (P11-P15, P17, P18): `V2_SIGNATURES` and the registry / no-registry variants
+    V2            the Model Runner V2 adapter (P11-P15, P17-P19): `V2_SIGNATURES` and the registry / no-registry variants
                   and, with `dsv4=True`, the NVIDIA DeepSeek-V4 adapter's list with what it reads from V2's runner
 
 vllm_guard.py registers `v1_touches` and `v2_touches` as the adapters of the runners V1 and V2.
@@ -426,6 +426,27 @@ V2_STATE = (  # the runner's instance attributes the V2 adapter reads (checked a
     *(f"vllm.model_executor.models.llama_eagle.EagleLlamaForCausalLM.{a}" for a in (
         "model", "logits_processor", "config")),  # lm_head: the target's, set by vLLM's loader
 )
+_MTP = "vllm.models.deepseek_v4.nvidia.mtp"
+_DSV4_ATTN = "vllm.models.deepseek_v4.attention.DeepseekV4Attention"
+V2_MTP_SIGNATURES: dict[str, tuple[str, ...] | None] = {  # P19: vLLM's MTP model as the MTP drafter's head
+    f"{_MTP}.DeepSeekV4MTP.forward": (
+        "self", "input_ids", "positions", "hidden_states", "intermediate_tensors", "inputs_embeds", "spec_step_idx"),
+    f"{_MTP}.DeepSeekV4MTP.compute_logits": ("self", "hidden_states", "spec_step_idx"),
+    # replaced per instance with a function of this contract (and vLLM 0.32's alias `_prepare_and_attn_fn`, where
+    # it exists)
+    f"{_DSV4_ATTN}._prepare_and_attn": ("self", "hidden_states", "qr", "kv", "qr_scale", "kv_score",
+                                        "indexer_kv_score", "indexer_weights", "positions", "o_padded"),
+    f"{_DSV4_ATTN}._wq_b_proj": ("self", "qr", "qr_scale"),
+    "vllm.model_executor.model_loader.utils.get_model_cls": ("model_config",),
+    "vllm.forward_context.set_forward_context": None,  # called with (None, vllm_config, num_tokens=T)
+}
+V2_MTP_STATE = (
+    f"{_MTP}.DeepSeekV4MTP.model", f"{_MTP}.DeepSeekV4MultiTokenPredictor.layers",
+    f"{_MTP}.DeepSeekV4MultiTokenPredictor.mtp_start_layer_idx", f"{_MTP}.DeepSeekV4MultiTokenPredictorLayer.mtp_block",
+    f"{_MTP}.DeepSeekV4MultiTokenPredictorLayer.config", "vllm.models.deepseek_v4.nvidia.model.DeepseekV4DecoderLayer.attn",
+    *(f"{_DSV4_ATTN}.{a}" for a in ("n_local_heads", "head_dim", "eps", "rotary_emb",
+                                    "attn_sink", "compressor", "indexer", "compress_ratio")),
+)
 V2_ATTENTION = {  # P2 on V2: the same overrides as on V1
     "cpu": ("vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",
             "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_impl_cls"),
@@ -462,6 +483,8 @@ def v2_touches(*, platform: str = "cpu", dsv4: bool = False, table: dict | None 
         methods.update(DSV4_CALLS["cuda"])
         attributes += DSV4_ATTRIBUTES["cuda"]
         state += DSV4_STATE["cuda"] + DSV4_RUNNER_STATE["V2"]
+        methods.update(V2_MTP_SIGNATURES)
+        state += V2_MTP_STATE
     return Touches(methods=methods, attributes=attributes, state=state)
 
 

