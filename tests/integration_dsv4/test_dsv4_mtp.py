@@ -2,8 +2,9 @@
 
 * Unit (no engine, small random MTP layer): the tree session's q at every node
   equals the MTP head run as a chain along the node's path (tree mask, depth
-  positions, re-fed hidden states); catch-up in pieces equals catch-up at once;
-  the PyTorch mHC fallbacks match vLLM's CPU mHC ops.
+  positions, re-fed hidden states); catch-up in pieces equals catch-up at once,
+  batched over requests equals one request at a time, and its banded windows
+  attend as the dense window; the PyTorch mHC fallbacks match vLLM's CPU mHC ops.
 * Engine: with the tiny checkpoint's MTP layer, static and dynamic (EAGLE-2
   s3_k2_d6) MTP trees give output identical to no speculation, and the drafter
   really drafts (vLLM's own MTP raises NotImplementedError on CPU).
@@ -123,6 +124,57 @@ def test_catch_up_in_pieces_equals_at_once():
     assert a.root_pos == b.root_pos == len(tokens) - 1 and a.kv_pos0 == b.kv_pos0
     assert torch.allclose(a.kv, b.kv, atol=1e-5) and torch.allclose(a.root_logits, b.root_logits, atol=1e-5)
     assert a.kv.shape[0] == SMALL.window  # only the window is kept
+
+
+def test_banded_window_attends_as_the_dense_window():
+    """A run's banded windows (a strided view, m x W) give the attention of the dense context (every committed and
+    run row, masked by position), for runs after no, a short and a full committed window."""
+    from vllm_tree_spec.drafters.mtp import _banded_window
+    from vllm_tree_spec.reference.dsv4 import attend_with_sink
+
+    g = torch.Generator().manual_seed(5)
+    W, c = SMALL.window, 8
+    for o, m in ((0, 3), (2, 9), (W, 4), (W, 1)):
+        old = torch.randn(o, c, generator=g) if o else None
+        new = torch.randn(m, c, generator=g)
+        q, sink = torch.randn(m, 2, c, generator=g), torch.randn(2, generator=g)
+        ctx, valid = _banded_window(old, new, W)
+        allk = new if old is None else torch.cat([old, new])
+        kpos, p = torch.arange(o + m)[None], torch.arange(o, o + m)[:, None]
+        dense = attend_with_sink(q, allk[None].expand(m, -1, -1), (kpos <= p) & (kpos > p - W), sink)
+        assert ctx.shape == (m, W, c) and torch.allclose(attend_with_sink(q, ctx, valid, sink), dense, atol=1e-6)
+
+
+def test_catch_up_batched_over_requests_equals_one_at_a_time():
+    """One MTP forward for the whole batch's committed rows (_catch_up_all) leaves every request's window, root
+    row and logits as catching it up alone does: requests of different lengths, one past the window, one whose
+    history has a gap (its window restarts), one with nothing pending."""
+    lengths = {"a": 5, "b": 17, "c": 11, "d": 4}
+
+    def fed(d):
+        toks = {r: [int(t) for t in torch.randint(0, SMALL.vocab, (n,), generator=torch.Generator().manual_seed(n))]
+                for r, n in lengths.items()}
+        hidden = torch.randn(64, SMALL.hc * SMALL.hidden, generator=torch.Generator().manual_seed(9))
+        positions = torch.arange(64) % 32
+        for r, t in toks.items():
+            d.start_request(r, t[:2])
+        d.observe_target(["a", "b"], [list(range(0, 4)), list(range(4, 20))], positions, hidden)  # b: 4 .. 19
+        d.observe_target(["c"], [list(range(32, 36))], positions, hidden)  # c: 0 .. 3
+        d.observe_target(["c"], [list(range(38, 42))], positions, hidden)  # c: 6 .. 9 (a gap: restart)
+        return toks
+
+    one, batch = _drafter("s2_k2_d4"), _drafter("s2_k2_d4")
+    toks = fed(one)
+    fed(batch)
+    for r in lengths:
+        one._catch_up(one._states[r], toks[r])
+    batch._catch_up_all([(batch._states[r], toks[r]) for r in lengths])
+    for r in ("a", "b", "c"):
+        x, y = one._states[r], batch._states[r]
+        assert (x.root_pos, x.kv_pos0) == (y.root_pos, y.kv_pos0) and x.kv.shape == y.kv.shape, r
+        assert torch.allclose(x.kv, y.kv, atol=1e-5) and torch.allclose(x.root_logits, y.root_logits, atol=1e-5), r
+    assert batch._states["b"].kv.shape[0] == SMALL.window and batch._states["c"].kv_pos0 == 6
+    assert batch._states["d"].root_logits is None
 
 
 def test_propose_returns_valid_trees_and_needs_fresh_state():

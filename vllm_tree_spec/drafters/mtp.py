@@ -371,6 +371,22 @@ class _Session:
             out[qi] = torch.softmax(logits[j], -1)
 
 
+def _banded_window(old: torch.Tensor | None, new: torch.Tensor, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The W-row windows of a run of consecutive rows: old [o, c] the committed rows just before the run (o <= W),
+    new [m, c] the run's rows -> (ctx [m, W, c] row j's window ending at itself, valid [m, W]). A strided view
+    of the rows, so a long prefill costs m x W, not m x (o + m)."""
+    allk = new if old is None else torch.cat([old, new])
+    o = allk.shape[0] - new.shape[0]
+    allk = allk[max(0, o - window + 1):]
+    pad = max(0, window - 1 - o)
+    if pad:
+        allk = torch.cat([allk.new_zeros(pad, allk.shape[1]), allk])
+    ctx = allk.unfold(0, window, 1).transpose(1, 2)  # [m, W, c]
+    j = torch.arange(new.shape[0], device=new.device)[:, None]
+    valid = (j + torch.arange(window, device=new.device)[None]) >= pad
+    return ctx, valid
+
+
 def _pad(ctxs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     k = max(c.shape[0] for c in ctxs)
     ctx = ctxs[0].new_zeros(len(ctxs), k, ctxs[0].shape[-1])
@@ -464,52 +480,88 @@ class MTPTreeDrafter(TreeDrafter):
         if hidden is None:
             raise DrafterError("MTP drafter: no target hidden states; load_model(target) first")
         c = self.head.cfg
-        for rid, r in zip(req_ids, rows):
-            st = self._states.get(rid)
-            if st is None or not len(r):
-                continue
-            idx = torch.as_tensor(list(r), dtype=torch.long)
-            st.pending.append((positions[idx].to(torch.long).cpu(),
-                               hidden[idx.to(hidden.device)].view(-1, c.hc, c.hidden).to(self.dtype).clone()))
+        live = [(st, list(r)) for st, r in ((self._states.get(rid), r) for rid, r in zip(req_ids, rows))
+                if st is not None and len(r)]
+        if not live:
+            return
+        # one host copy of the positions and one gather of the rows per step, whatever the batch
+        pos_host = positions.to(torch.long).cpu()
+        flat = torch.as_tensor([i for _, r in live for i in r], dtype=torch.long)
+        rows_h = hidden.index_select(0, flat.to(hidden.device)).view(-1, c.hc, c.hidden).to(self.dtype)
+        start = 0
+        for st, r in live:
+            st.pending.append((pos_host[flat[start: start + len(r)]], rows_h[start: start + len(r)]))
+            start += len(r)
 
     # -- catch-up: committed rows through the MTP head -------------------------------------------------
 
     def _catch_up(self, st: _State, tokens: list[int]) -> None:
+        self._catch_up_all([(st, tokens)])
+
+    def _catch_up_all(self, items: list[tuple[_State, list[int]]]) -> None:
+        """Every request's pending committed rows through the MTP head, in one forward for the batch.
+
+        Each request's rows are one run of consecutive positions (its pending chunks joined; a gap, from a
+        preemption or a skipped step, restarts its window at the chunk after it), and each row attends to
+        the W rows ending at itself: the request's committed window, then the run's own rows."""
         c = self.head.cfg
-        for pos, hid in st.pending:
-            keep = pos + 1 < len(tokens)  # the row's next token must be known (it always is after a step)
-            pos, hid = pos[keep], hid[keep]
-            if pos.numel() == 0:
+        runs = []  # (state, positions [m] host, target rows [m, hc, H], the tokens after them)
+        for st, tokens in items:
+            pos_parts, hid_parts, restart, nxt = [], [], False, st.next_pos
+            for pos, hid in st.pending:
+                m = int((pos + 1 < len(tokens)).sum())  # rows whose next token is known (all, after a step)
+                if m == 0:
+                    continue
+                pos, hid = pos[:m], hid[:m]  # positions ascend within a chunk
+                if int(pos[0]) != nxt:  # history missing: restart the window here
+                    pos_parts, hid_parts, restart = [], [], True
+                pos_parts.append(pos)
+                hid_parts.append(hid)
+                nxt = int(pos[-1]) + 1
+            st.pending.clear()
+            if not pos_parts:
                 continue
-            if int(pos[0]) != st.next_pos:  # history missing (preemption, a skipped step): restart the window
+            pos = torch.cat(pos_parts)
+            if restart:
                 st.kv, st.kv_pos0 = None, int(pos[0])
-            toks = torch.tensor([tokens[int(p) + 1] for p in pos], device=self.device)
-            old = st.kv
+            runs.append((st, pos, torch.cat(hid_parts), [tokens[int(p) + 1] for p in pos]))
+        if not runs:
+            return
+        sizes = [len(r[1]) for r in runs]
 
-            def context_fn(kv_new, old=old, pos=pos, st=st):
-                allk = kv_new if old is None else torch.cat([old, kv_new])
-                kpos = torch.arange(st.kv_pos0, st.kv_pos0 + allk.shape[0], device=allk.device)
-                p = pos.to(kpos.device)[:, None]
-                valid = (kpos[None] <= p) & (kpos[None] > p - c.window)
-                return allk.unsqueeze(0).expand(len(pos), -1, -1), valid
+        def context_fn(kv_new):  # [R, c] -> the rows' windows ([R, W, c], [R, W])
+            ctxs, valids, start = [], [], 0
+            for (st, *_), m in zip(runs, sizes):
+                ctx, valid = _banded_window(st.kv, kv_new[start: start + m], c.window)
+                ctxs.append(ctx)
+                valids.append(valid)
+                start += m
+            return torch.cat(ctxs), torch.cat(valids)
 
-            x, kv, logits = self.head.forward(toks, pos.to(self.device), hid, context_fn)
-            allk = kv if old is None else torch.cat([old, kv])
+        tokens = torch.tensor([t for r in runs for t in r[3]], device=self.device)
+        positions = torch.cat([r[1] for r in runs]).to(self.device)
+        x, kv, logits = self.head.forward(tokens, positions, torch.cat([r[2] for r in runs]), context_fn)
+        start = 0
+        for (st, pos, _, _), m in zip(runs, sizes):
+            new = kv[start: start + m]
+            allk = new if st.kv is None else torch.cat([st.kv, new])
             drop = max(0, allk.shape[0] - c.window)
             st.kv, st.kv_pos0 = allk[drop:], st.kv_pos0 + drop
-            st.root_x, st.root_logits, st.root_pos = x[-1], logits[-1], int(pos[-1]) + 1
-        st.pending.clear()
+            end = start + m - 1
+            st.root_x, st.root_logits, st.root_pos = x[end], logits[end], int(pos[-1]) + 1
+            start += m
 
     # -- drafting -------------------------------------------------------------------------------------
 
     def _propose(self, requests: list[DraftRequest], budgets: list[int]) -> list[TreeProposal]:
         out: list[TreeProposal | None] = [None] * len(requests)
         groups: dict[Any, list[int]] = {}
+        token_lists = [as_int_list(req.token_ids) for req in requests]
+        with torch.no_grad():
+            self._catch_up_all([(self._states[req.req_id], t) for req, t in zip(requests, token_lists)])
         for i, (req, b) in enumerate(zip(requests, budgets)):
             st = self._states[req.req_id]
-            tokens = as_int_list(req.token_ids)
-            with torch.no_grad():
-                self._catch_up(st, tokens)
+            tokens = token_lists[i]
             mode = deterministic_mode(req.temperature)
             policy = self.policy.for_budget(b) if b > 0 else None
             if (policy is None or not policy.max_nodes or st.root_logits is None
