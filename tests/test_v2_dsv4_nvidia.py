@@ -12,8 +12,8 @@ block) and C128 blocks, on prompts crossing the 128-token window:
 * after every refresh, every store of the request equals the stock engine's after decoding the same tokens
   (nv_tree_harness.snapshot_mismatches: fp8 rows within one code step, fp32 state rows within its tolerance);
 * negative control (extended set): without the refresh the store comparison fails;
-* the MTP tree drafter on V2 with vLLM's own MTP model (extended set): greedy identity and stores, its trees
-  accepted; its tree rows equal chains of the same model and the PyTorch drive of the same weights.
+* the MTP tree drafter on V2 with vLLM's own MTP model, against the same stock run: greedy identity and stores,
+  its trees accepted; its tree rows equal chains of the same model and the PyTorch drive of the same weights.
 
 What V2 adds over the V1 runs of tests/integration_dsv4_nvidia: the plan built from V2's InputBatch (its
 query start locations and committed lengths), the metadata edits inside V2's `model_state.prepare_attn`,
@@ -39,6 +39,7 @@ CHILD = Path(__file__).resolve().parent / "integration_dsv4_nvidia" / "nv_runner
 PROMPT_LENGTHS = (124, 253)  # across the 128-token window, C4 blocks and the C128 boundary at 255
 MAX_TOKENS = 16
 SPEC = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 8}
+MTP_SPEC = {"method": "tree", "drafter": "mtp", "tree": "s3_k2_d6"}
 EMITTED_LOGPROB_TOL = 5e-2  # the V1 emulation's batch-shape floor (test_tree_engine.py)
 MTP_BF16_PROB_TOL = 2e-2  # bf16 rows of the same maths in different op orders / batch shapes (test_tree_engine_mtp.py)
 MTP_CHAIN_TOL = 1e-3  # the same model's rows, in a tree level or one at a time (bf16 batch-shape rounding only)
@@ -50,12 +51,12 @@ def _prompts(seed=3):
 
 
 def _run(tmp: Path, model: str, runner: str, plant: str | None = None, stock_only: bool = False, spec=None,
-         oracle=None, mtp_head_check: bool = False) -> dict:
+         oracle=None, also: dict | None = None) -> dict:
     tmp.mkdir(parents=True, exist_ok=True)
     req, out = tmp / "request.json", tmp / "result.json"
     req.write_text(json.dumps({"runner": runner, "model": model, "prompts": _prompts(), "max_tokens": MAX_TOKENS,
                                "spec": spec or SPEC, "plant": plant, "stock_only": stock_only, "oracle": oracle,
-                               "mtp_head_check": mtp_head_check}))
+                               "also": also or {}}))
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "VLLM_USE_V2_MODEL_RUNNER")}
     proc = subprocess.run([sys.executable, str(CHILD), str(req), str(out)], env=env, capture_output=True,
                           text=True, timeout=1500)
@@ -73,12 +74,16 @@ def _tiny_dsv4(out: Path, **kwargs) -> str:
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory) -> str:
-    return _tiny_dsv4(tmp_path_factory.mktemp("v2_dsv4"))
+    """The checkpoint whose MTP layer predicts the target's bigram vote (the target's weights are the same either
+    way), so MTP trees get accepted."""
+    return _tiny_dsv4(tmp_path_factory.mktemp("v2_dsv4"), mtp_bigram=True)
 
 
 @pytest.fixture(scope="module")
 def v2(model, tmp_path_factory) -> dict:
-    return _run(tmp_path_factory.mktemp("v2_tree"), model, "V2")
+    """The oracle drafter's tree engine and the MTP drafter's, each against the same stock V2 run."""
+    return _run(tmp_path_factory.mktemp("v2_tree"), model, "V2",
+                also={"mtp": {"spec": MTP_SPEC, "oracle": False, "mtp_head_check": True}})
 
 
 def test_v2_tree_engine_greedy_identical_with_stores_equal_to_sequential_decode(v2):
@@ -110,8 +115,7 @@ def test_v2_store_check_rejects_a_missing_refresh(model, tmp_path):
     assert planted["store_mismatches"] or planted["tree"]["outputs"] != planted["stock"]["outputs"]
 
 
-@pytest.mark.extended
-def test_v2_mtp_trees_on_vllms_mtp_model(tmp_path_factory):
+def test_v2_mtp_trees_on_vllms_mtp_model(v2):
     """The MTP tree drafter on V2 with vLLM's own MTP model (`DeepSeekV4MTP`, NVIDIA classes, loaded by vLLM's
     EAGLE / MTP loader: integration/v2/mtp_head.py) reading the target's residual rows through V2's `propose`
     hook, on a checkpoint whose MTP layer predicts the tiny target's bigram vote, so its trees get accepted:
@@ -122,14 +126,12 @@ def test_v2_mtp_trees_on_vllms_mtp_model(tmp_path_factory):
       row at a time along the row's path, and the PyTorch drive of the same weights (the V1 runner's MTP head)
       within bf16 rounding; planted control: a causal mask over a level moves the rows past the invariant's
       tolerance."""
-    model = _tiny_dsv4(tmp_path_factory.mktemp("v2_mtp"), mtp_bigram=True)
-    run = _run(tmp_path_factory.mktemp("v2_mtp_run"), model, "V2", oracle=False,
-               spec={"method": "tree", "drafter": "mtp", "tree": "s3_k2_d6"}, mtp_head_check=True)
+    run = v2["also"]["mtp"]
     ts, hc = run["tree_stats"], run["mtp_head_check"]
     print(f"V2 MTP (vLLM's model): {ts['accepted']} accepted over {ts['rounds']} rounds, {run['stores_compared']} "
           f"refresh points; head check {hc}")
     assert run["drafter_head"] == "VllmMTPHead" and hc["head"] == "VllmMTPHead"
-    assert run["adapter"]["view"] == "V2RunnerView" and run["tree"]["outputs"] == run["stock"]["outputs"]
+    assert run["adapter"]["view"] == "V2RunnerView" and run["tree"]["outputs"] == v2["stock"]["outputs"]
     assert ts["accepted"] > ts["rounds"] and run["stores_compared"] > 0 and not run["store_mismatches"]
     assert run["tree_only_stores"] == ["model.layers.4.attn.swa_cache"], run["tree_only_stores"]
     assert hc["rows"] >= 8 and max(hc["depths"]) >= 4

@@ -4,7 +4,9 @@ without tree speculation, and what a test compares (tests/test_v2_dsv4_nvidia.py
     python nv_runner_child.py REQUEST.json OUT.json
 
 REQUEST: {"runner": "V1" | "V2", "model", "prompts", "max_tokens", "spec", "oracle": {"seed", "p_full"} or false
-(the configured drafter instead), "plant": null | "no-refresh" | "no-isolation", "stock_only": bool}. Model
+(the configured drafter instead), "plant": null | "no-refresh" | "no-isolation", "stock_only": bool,
+"mtp_head_check": bool (mtp_head_check.py inside the engine), "also": {name: {"spec", "oracle", "plant",
+"mtp_head_check"}} further tree engines compared with the same stock run (results under "also")}. Model
 Runner V2 needs Triton's interpreter with the test-only V2 shims (tests/fixtures/v2_cpu.py) before vLLM is
 imported, and the NVIDIA emulation rebinds vLLM process-wide: hence a child. It runs the stock engine (recording
 each request's stores after every step), then the tree engine, by default with the oracle drafter hiding that
@@ -91,6 +93,43 @@ def _record_refreshes(llm, store: dict, plant: str | None) -> None:
         adapter.isolation = False
 
 
+def _tree_run(model, prompts, params, truth, stock_snaps, run: dict) -> dict:
+    """One tree engine (run: "spec", "oracle", "plant", "mtp_head_check") and what it is compared by."""
+    import nv_tree_harness as T
+    import nvidia_harness as H
+    from dsv4_harness import OracleTreeDrafter
+
+    oracle = run.get("oracle") or {}
+    tree_snaps: dict = {}
+    factory = None if run.get("oracle") is False else (  # False: the configured drafter itself
+        lambda cfg: OracleTreeDrafter(truth, "random", seed=oracle.get("seed", 11), p_full=oracle.get("p_full", 0.7)))
+    with T.drafter(factory), H.nvidia_engine(model, speculative_config=run["spec"]) as llm:
+        _record_refreshes(llm, tree_snaps, run.get("plant"))
+        tree = H.generate(llm, prompts, params)
+        r = _runner(llm)
+        adapter = {"class": type(r.tree_adapter).__name__, "view": type(r.tree_adapter.view).__name__,
+                   "stats": {k: v for k, v in r.tree_adapter.stats.items() if not k.endswith("_s")}}
+        tree_runner = next(c.__module__ for c in type(r).__mro__ if c.__module__.startswith("vllm."))
+        tree_stats = r.tree_stats.as_dict()
+        drafter_head = type(getattr(getattr(r.drafter, "drafter", None), "head", None)).__name__
+        head_check = None
+        if run.get("mtp_head_check"):
+            import mtp_head_check
+
+            head_check = mtp_head_check.check(r.drafter.drafter, r.get_model())
+    compared = [k for k in tree_snaps if k in stock_snaps]
+    # stores the stock engine has no layer for: vLLM's allocation for the MTP layer vLLM loads as the drafter's
+    # head (integration/v2/mtp_head.py), which the drafter never reads (its window store is its own)
+    tree_only = sorted({n for k in compared for n in tree_snaps[k] if n not in stock_snaps[k]})
+    bad = {f"{k[0]}@{k[1]}": sorted(T.snapshot_mismatches(
+        {n: v for n, v in tree_snaps[k].items() if n in stock_snaps[k]}, stock_snaps[k])) for k in compared}
+    return {"tree_runner": tree_runner, "adapter": adapter, "tree_stats": tree_stats,
+            "drafter_head": drafter_head, "mtp_head_check": head_check,
+            "tree": {"outputs": tree.outputs, "logprobs": tree.logprobs},
+            "stores_compared": len(compared), "stores_refreshed": len(tree_snaps), "tree_only_stores": tree_only,
+            "store_mismatches": {k: v for k, v in bad.items() if v}}
+
+
 def main() -> int:
     request = json.loads(Path(sys.argv[1]).read_text())
     out = Path(sys.argv[2])
@@ -112,9 +151,7 @@ def main() -> int:
     import nvidia_emulation
 
     nvidia_emulation.install(fast=True)
-    import nv_tree_harness as T
     import nvidia_harness as H
-    from dsv4_harness import OracleTreeDrafter
     from vllm import SamplingParams
 
     model, prompts = request["model"], request["prompts"]
@@ -129,39 +166,12 @@ def main() -> int:
                                    "stock": {"outputs": stock.outputs, "logprobs": stock.logprobs}}))
         return 0
     truth = {tuple(p): o for p, o in zip(prompts, stock.outputs)}
-    oracle = request.get("oracle") or {}
-    tree_snaps: dict = {}
-    factory = None if request.get("oracle") is False else (  # False: the configured drafter itself
-        lambda cfg: OracleTreeDrafter(truth, "random", seed=oracle.get("seed", 11), p_full=oracle.get("p_full", 0.7)))
-    with T.drafter(factory), \
-            H.nvidia_engine(model, speculative_config=request["spec"]) as llm:
-        _record_refreshes(llm, tree_snaps, request.get("plant"))
-        tree = H.generate(llm, prompts, params)
-        r = _runner(llm)
-        adapter = {"class": type(r.tree_adapter).__name__, "view": type(r.tree_adapter.view).__name__,
-                   "stats": {k: v for k, v in r.tree_adapter.stats.items() if not k.endswith("_s")}}
-        tree_runner = next(c.__module__ for c in type(r).__mro__ if c.__module__.startswith("vllm."))
-        tree_stats = r.tree_stats.as_dict()
-        drafter_head = type(getattr(getattr(r.drafter, "drafter", None), "head", None)).__name__
-        head_check = None
-        if request.get("mtp_head_check"):
-            import mtp_head_check
-
-            head_check = mtp_head_check.check(r.drafter.drafter, r.get_model())
-    compared = [k for k in tree_snaps if k in stock_snaps]
-    # stores the stock engine has no layer for: vLLM's allocation for the MTP layer vLLM loads as the drafter's
-    # head (integration/v2/mtp_head.py), which the drafter never reads (its window store is its own)
-    tree_only = sorted({n for k in compared for n in tree_snaps[k] if n not in stock_snaps[k]})
-    bad = {f"{k[0]}@{k[1]}": sorted(T.snapshot_mismatches(
-        {n: v for n, v in tree_snaps[k].items() if n in stock_snaps[k]}, stock_snaps[k])) for k in compared}
-    out.write_text(json.dumps({
-        "stock_runner": stock_runner, "tree_runner": tree_runner, "adapter": adapter, "tree_stats": tree_stats,
-        "drafter_head": drafter_head, "mtp_head_check": head_check,
-        "stock": {"outputs": stock.outputs, "logprobs": stock.logprobs},
-        "tree": {"outputs": tree.outputs, "logprobs": tree.logprobs},
-        "stores_compared": len(compared), "stores_refreshed": len(tree_snaps), "tree_only_stores": tree_only,
-        "store_mismatches": {k: v for k, v in bad.items() if v},
-    }))
+    result = {"stock_runner": stock_runner, "stock": {"outputs": stock.outputs, "logprobs": stock.logprobs}}
+    result.update(_tree_run(model, prompts, params, truth, stock_snaps, request))
+    # further tree engines against the same stock run: {name: {"spec", "oracle", "plant", "mtp_head_check"}}
+    result["also"] = {name: _tree_run(model, prompts, params, truth, stock_snaps, run)
+                      for name, run in (request.get("also") or {}).items()}
+    out.write_text(json.dumps(result))
     return 0
 
 
