@@ -12,6 +12,8 @@ distributed state), with the tiny target and head of test_drafter_eagle3.py:
   within float rounding.
 
 A planted control: the tree mask replaced by a causal mask over the level's columns breaks the invariant.
+A head vLLM's own eagle3 loader refuses (a d2t over the full vocabulary) fails at load with the field, vLLM's
+reason and the fix (the V1 runner's PyTorch head loads it).
 The two-rank case is in the extended set (~45 s).
 """
 
@@ -117,18 +119,29 @@ CHILD = textwrap.dedent("""
                 report["control"] = "passed"
             except AssertionError:
                 report["control"] = "failed"
+        if {refused!r}:  # a head vLLM's own eagle3 loader refuses: start-up names the field and the fix
+            for name in head.layer_names:  # the first head's layers leave the forward context (same layer names)
+                vc.compilation_config.static_forward_context.pop(name)
+            try:
+                load_vllm_eagle_head(types.SimpleNamespace(vllm_config=vc, get_model=lambda: target), "eagle3",
+                                     {refused!r})
+                report["refused"] = None
+            except ValueError as e:
+                report["refused"] = str(e)
     print("REPORT", json.dumps(report))
 """)
 
 
-def run_vllm_head(setup, tmp: Path, tp: int, control: bool = False, policies=tuple(POLICIES)):
+def run_vllm_head(setup, tmp: Path, tp: int, control: bool = False, policies=tuple(POLICIES), refused: str = ""):
     """Run the child on every rank; returns (reports, scenarios) per rank. control: afterwards, the planted
-    causal-levels check (its outcome in the report)."""
+    causal-levels check (its outcome in the report); refused: a head directory to load last, whose refusal
+    message the report holds."""
     target_dir, _, heads = setup
     tmp.mkdir(parents=True, exist_ok=True)
     out = str(tmp / "scenario")
     script = CHILD.format(here=str(HERE), tp=tp, control=control, target=str(target_dir), head=str(heads["eagle"]),
-                          init=tempfile.mktemp(dir=tmp), out=out, policies=", ".join(repr(p) for p in policies))
+                          init=tempfile.mktemp(dir=tmp), out=out, policies=", ".join(repr(p) for p in policies),
+                          refused=refused)
     env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for r in range(tp)]
@@ -155,9 +168,16 @@ def test_vllm_head_drafts_the_path_invariant_trees(setup, tmp_path):
     row's path (all policies), and the same trees as the plugin's PyTorch head, q within float rounding.
     Control (same child, afterwards): tree rows that attend to every earlier column (a causal mask over the
     level's columns) no longer equal the sequential decode of their paths."""
-    _, target, heads = setup
-    (report,), (got,) = run_vllm_head(setup, tmp_path, tp=1, control=True)
+    from tiny_eagle3 import make_tiny_eagle3
+
+    target_dir, target, heads = setup
+    # a d2t over the full vocabulary: vLLM's Eagle3LlamaForCausalLM has no d2t parameter then, and its loader fails
+    full = make_tiny_eagle3(tmp_path / "full-vocab-head", target_dir, draft_vocab=VOCAB)
+    (report,), (got,) = run_vllm_head(setup, tmp_path, tp=1, control=True, refused=str(full))
     assert not report["failed"], report["failed"]
+    msg = report["refused"] or ""
+    assert "speculative_config.model" in msg and "VLLM_USE_V2_MODEL_RUNNER=0" in msg, msg
+    assert "draft_id_to_target_id" in msg or "d2t" in msg, msg  # vLLM's own reason, not a side effect
     assert all(report["checked"][name] >= 6 for name in POLICIES), report["checked"]
     assert report["embedding_shared"], "the head shares the target's embedding module (vLLM's loader)"
     assert report["control"] == "failed", "a causal mask over the tree levels went unnoticed"

@@ -87,8 +87,15 @@ def load_vllm_eagle_head(runner, method: str, path: str) -> "VllmEagleHead":
     from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
     view = head_view(runner.vllm_config, method, path, runner.vllm_config.speculative_config.num_speculative_tokens)
-    with set_current_vllm_config(view):
-        model = load_eagle_model(runner.get_model(), view)
+    try:
+        with set_current_vllm_config(view):
+            model = load_eagle_model(runner.get_model(), view)
+    except (ValueError, KeyError, RuntimeError) as e:
+        raise ValueError(
+            f"speculative_config.model {path!r}: on Model Runner V2 the {method} tree drafter loads its head with "
+            f"vLLM's own {method} loader (as vLLM's linear {method!r} method does), which refused it: {e}. Use a "
+            f"head vLLM's {method!r} method serves, or the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0), whose "
+            f"PyTorch head loads it") from e
     return VllmEagleHead(model, method)
 
 
