@@ -21,31 +21,15 @@ import json
 import os
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent / "integration_dsv4"), str(HERE.parent / "fixtures")]
 
 
-class _V2BlockRows:
-    """V2's per-batch block tables (`BlockTables.input_block_tables`, batch order) in the shape
-    nv_tree_harness.snapshot_nv reads from V1's input batch."""
-
-    def __init__(self, runner):
-        self.runner = runner
-
-    def __getitem__(self, gid):
-        return SimpleNamespace(block_table=SimpleNamespace(gpu=self.runner.block_tables.input_block_tables[gid]))
-
-
 def _snapshot(runner, req_index: int, length: int):
     import nv_tree_harness as T
 
-    if getattr(runner, "block_tables", None) is None:  # V1
-        return T.snapshot_nv(runner, req_index, length)
-    view = SimpleNamespace(compilation_config=runner.compilation_config, kv_cache_config=runner.kv_cache_config,
-                           input_batch=SimpleNamespace(block_table=_V2BlockRows(runner)))
-    return T.snapshot_nv(view, req_index, length)
+    return T.snapshot_any(runner, req_index, length)
 
 
 def _runner(llm):

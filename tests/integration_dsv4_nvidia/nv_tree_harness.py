@@ -482,6 +482,30 @@ def cache_digests(runner) -> dict[str, tuple[str, int]]:
 TP_PROBE: dict = {"plans": [], "refresh": []}
 
 
+class _V2BlockRows:
+    """V2's per-batch block tables (`BlockTables.input_block_tables`, batch order) in the shape `snapshot_nv`
+    reads from V1's input batch."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __getitem__(self, gid):
+        from types import SimpleNamespace
+
+        return SimpleNamespace(block_table=SimpleNamespace(gpu=self.runner.block_tables.input_block_tables[gid]))
+
+
+def snapshot_any(runner, req_index: int, length: int):
+    """`snapshot_nv` on either runner (Model Runner V2 keeps its block tables outside an input batch)."""
+    from types import SimpleNamespace
+
+    if getattr(runner, "block_tables", None) is None:  # V1
+        return snapshot_nv(runner, req_index, length)
+    view = SimpleNamespace(compilation_config=runner.compilation_config, kv_cache_config=runner.kv_cache_config,
+                           input_batch=SimpleNamespace(block_table=_V2BlockRows(runner)))
+    return snapshot_nv(view, req_index, length)
+
+
 def tp_probe_report(worker) -> dict:
     """collective_rpc target: this rank's probes, final cache digests and counters (timings left out)."""
     from vllm.distributed import get_tp_group
@@ -490,7 +514,11 @@ def tp_probe_report(worker) -> dict:
     adapter = getattr(runner, "tree_adapter", None)
     stats = getattr(runner, "tree_stats", None)
     untimed = lambda d: {k: v for k, v in d.items() if not k.endswith("_s")}  # noqa: E731
+    drafter = getattr(getattr(runner, "drafter", None), "drafter", None)
     return {"rank": get_tp_group().rank_in_group, "plans": TP_PROBE["plans"], "refresh": TP_PROBE["refresh"],
+            "runner": next(c.__module__ for c in type(runner).__mro__ if c.__module__.startswith("vllm.")),
+            "drafter_head": type(getattr(drafter, "head", None)).__name__,
+            "drafter_q_heads": getattr(getattr(getattr(drafter, "head", None), "cfg", None), "heads", None),
             "caches": cache_digests(runner), "adapter": type(adapter).__name__ if adapter is not None else None,
             "stats": untimed(adapter.stats) if adapter is not None else {},
             "tree_stats": untimed(stats.as_dict()) if stats is not None else {}}

@@ -1,4 +1,5 @@
-"""Tree speculation on the emulated NVIDIA DeepSeek-V4 engine at tensor parallelism 2 (extended set).
+"""Tree speculation on the emulated NVIDIA DeepSeek-V4 engine at tensor parallelism 2 (extended set), on the V1
+runner and (the MTP drafter on vLLM's own MTP model) on Model Runner V2.
 
 vLLM's NVIDIA model classes on the CPU platform (nvidia_emulation.py), TP = 2 with multiprocess workers (one
 core each, `VLLM_CPU_OMP_THREADS_BIND=0|1`), V1 runner, eager: query heads and wo_a / wo_b are sharded, the KV
@@ -39,12 +40,17 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.extended]
 PROMPT_LENGTHS = (61, 124, 253)
 MAX_TOKENS = 16
 SPEC = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 8}
+MTP_SPEC = {"method": "tree", "drafter": "mtp", "tree": "s3_k2_d6"}
+N_HEADS = 16  # the tiny checkpoint's query heads (tests/integration_dsv4/tiny_dsv4.py)
 TIMEOUT_S = 1500
 
 SITE = textwrap.dedent("""
     import json, os, sys
     if os.environ.get("NV_TP_TEST") == "1":
         sys.path[:0] = os.environ["NV_TP_PATH"].split(os.pathsep)
+        if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1":  # Model Runner V2's test-only shims (v2_cpu.py)
+            import v2_cpu
+            v2_cpu.install_emulation()
         from vllm_tree_spec.integration.dsv4.cpu_env import enable_triton_interpreter
         enable_triton_interpreter()
         import nvidia_emulation
@@ -107,8 +113,8 @@ SITE = textwrap.dedent("""
             n = real_commit(self, runner, step, result)
             for req, k in zip(step.requests, result.num_accepted.tolist()):
                 length = req.root_pos + 1 + k
-                T.TP_PROBE["refresh"].append([req.req_id, length, T.digest(T.snapshot_nv(runner, req.req_index,
-                                                                                        length))])
+                T.TP_PROBE["refresh"].append([req.req_id, length, T.digest(T.snapshot_any(runner, req.req_index,
+                                                                                         length))])
             return n
         A.on_metadata, A.commit = on_metadata, commit
 """)
@@ -141,16 +147,18 @@ def prompts(seed=3):
 
 
 def _run(tmp: pathlib.Path, model: str, spec, *, truth=None, control: str = "", max_tokens: int = MAX_TOKENS,
-         n_prompts: int = len(PROMPT_LENGTHS)) -> dict:
-    """One TP = 2 engine in a fresh interpreter (its workers spawned by vLLM); the outputs and each rank's
-    probe report (nv_tree_harness.tp_probe_report), with the wall time."""
+         n_prompts: int = len(PROMPT_LENGTHS), runner: str = "V1") -> dict:
+    """One TP = 2 engine in a fresh interpreter (its workers spawned by vLLM) on the V1 runner or Model Runner V2;
+    the outputs and each rank's probe report (nv_tree_harness.tp_probe_report), with the wall time."""
+    tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "sitecustomize.py").write_text(SITE)
     (tmp / "driver.py").write_text(DRIVER)
     env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ENABLE_V1_MULTIPROCESSING", "NV_TP_TRUTH")}
     paths = [HERE, HERE.parent / "integration_dsv4", HERE.parent / "fixtures"]
     env.update(PYTHONPATH=os.pathsep.join([str(tmp), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                NV_TP_TEST="1", NV_TP_PATH=os.pathsep.join(map(str, paths)), NV_TP_CONTROL=control,
-               TRITON_INTERPRET="1", VLLM_USE_V2_MODEL_RUNNER="0", OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1",
+               TRITON_INTERPRET="1", VLLM_USE_V2_MODEL_RUNNER="1" if runner == "V2" else "0",
+               OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1",
                VLLM_CPU_OMP_THREADS_BIND="0|1", TORCHDYNAMO_DISABLE="1", TOKENIZERS_PARALLELISM="false",
                PYTHONDONTWRITEBYTECODE="1",
                VLLM_ALLOW_INSECURE_SERIALIZATION="1")  # collective_rpc(tp_probe_report): a function, pickled
@@ -226,3 +234,35 @@ def test_tp2_rank_divergence_is_caught(runs, decisive_model, control):
         assert d["plans"] > 0 and d["caches"] > 0, d
     else:
         assert d["plans"] == 0 and d["refresh"] > 0 and d["caches"] > 0, d
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tmp_path_factory) -> str:
+    """The decisive checkpoint with an MTP layer that predicts the target's bigram vote (MTP trees get accepted)."""
+    from tiny_dsv4 import DECISIVE_BIGRAM, make_tiny_dsv4
+
+    return str(make_tiny_dsv4(tmp_path_factory.mktemp("nv_tp2_mtp") / "dsv4", bigram=DECISIVE_BIGRAM,
+                              mtp_bigram=True))
+
+
+def test_v2_tp2_mtp_drafter_on_vllms_sharded_mtp_model(mtp_model, tmp_path):
+    """Model Runner V2 at TP = 2 with the MTP tree drafter on vLLM's own MTP model (integration/v2/mtp_head.py):
+    vLLM's loader shards its query heads, wo_a / wo_b and experts, the drafter's attention runs on each rank's
+    own heads and vLLM's output projection sums the ranks. Greedy output identical to the TP = 2 V2 engine
+    without speculation; both ranks load vLLM's model and build, verify and commit the same steps (plan,
+    refresh and cache digests equal); MTP trees get accepted."""
+    base = _run(tmp_path / "base", mtp_model, None, runner="V2", n_prompts=2)
+    tree = _run(tmp_path / "tree", mtp_model, MTP_SPEC, runner="V2", n_prompts=2)
+    r0, r1 = tree["ranks"]
+    ts = r0["tree_stats"]
+    print(f"V2, TP = 2, MTP on vLLM's model: base {base['wall_s']:.0f} s, tree {tree['wall_s']:.0f} s; "
+          f"{len(r0['plans'])} plan steps, {len(r0['refresh'])} refresh points; tree {ts}")
+    assert r0["runner"] == r1["runner"] == base["ranks"][0]["runner"] == "vllm.v1.worker.cpu.model_runner"
+    assert r0["drafter_head"] == r1["drafter_head"] == "VllmMTPHead"
+    assert r0["drafter_q_heads"] == r1["drafter_q_heads"] == N_HEADS // 2  # each rank attends with half the heads
+    assert tree["outputs"] == base["outputs"]
+    assert ts["accepted"] > ts["rounds"] > 0, ts
+    assert r0["plans"] and r0["plans"] == r1["plans"], _divergence(tree)
+    assert r0["refresh"] and r0["refresh"] == r1["refresh"], _divergence(tree)
+    assert r0["caches"] and r0["caches"] == r1["caches"], _divergence(tree)
+    assert r0["tree_stats"] == r1["tree_stats"]
