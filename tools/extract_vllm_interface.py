@@ -223,7 +223,7 @@ V2 = [
     f"{_DSV4}.nvidia.mtp.DeepSeekV4MultiTokenPredictorLayer.*",
     f"{_DSV4}.nvidia.model.DeepseekV4DecoderLayer.attn",
     *(f"{_DSV4}.attention.DeepseekV4Attention.{a}" for a in (
-        "_prepare_and_attn", "_wq_b_proj", "n_local_heads", "head_dim", "eps",
+        "_prepare_and_attn", "_wq_b_proj", "_alloc_attn_out", "n_local_heads", "head_dim", "eps",
         "rotary_emb", "attn_sink", "compressor", "indexer", "compress_ratio")),
     "vllm.model_executor.model_loader.utils.get_model_cls",
     "vllm.forward_context.set_forward_context",

@@ -437,6 +437,7 @@ V2_MTP_SIGNATURES: dict[str, tuple[str, ...] | None] = {  # P19: vLLM's MTP mode
     f"{_DSV4_ATTN}._prepare_and_attn": ("self", "hidden_states", "qr", "kv", "qr_scale", "kv_score",
                                         "indexer_kv_score", "indexer_weights", "positions", "o_padded"),
     f"{_DSV4_ATTN}._wq_b_proj": ("self", "qr", "qr_scale"),
+    f"{_DSV4_ATTN}._alloc_attn_out": ("self", "num_tokens", "hidden_states"),  # probed at load: a plain tensor
     "vllm.model_executor.model_loader.utils.get_model_cls": ("model_config",),
     "vllm.forward_context.set_forward_context": None,  # called with (None, vllm_config, num_tokens=T)
 }

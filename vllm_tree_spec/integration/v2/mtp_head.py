@@ -90,6 +90,12 @@ class VllmMTPHead:
         if attn.compressor is not None or attn.indexer is not None:
             raise ValueError(f"{type(model).__name__}: the MTP layer's attention compresses its history "
                              f"(ratio {attn.compress_ratio}); the MTP tree drafter attends over a sliding window only")
+        probe = attn._alloc_attn_out(1, torch.empty(1, 1, dtype=vllm_config.model_config.dtype,
+                                                    device=attn.attn_sink.device))
+        if not isinstance(probe, torch.Tensor):  # its kernel fuses the inverse RoPE and an FP8 cast into the buffer
+            raise ValueError(f"{type(attn).__name__}: the MTP layer's attention output buffer is "
+                             f"{type(probe).__name__}, not the bf16 tensor the MTP tree drafter fills; serve with "
+                             f"the FlashMLA sparse backend (SM90) or use another drafter")
         self.cfg: MTPConfig = replace(MTPConfig.from_hf(self.layer.config), heads=attn.n_local_heads)
         self._context_fn = None  # the forward in progress: the rows' windows
         self._kv = None  # [T, c] the forward's K = V rows
