@@ -60,10 +60,12 @@ def _drafter(policy, seed=0):
 
 
 def _caught_up(d: MTPTreeDrafter, tokens, pieces):
-    """Start a request and feed its committed rows (positions 0 .. len - 2) in `pieces` chunks."""
+    """Start a request and feed its committed rows (positions 0 .. len - 2) in `pieces` chunks (random target
+    residuals, the same for every drafter whose head has the same width)."""
     g = torch.Generator().manual_seed(1)
     n = len(tokens) - 1
-    hidden = torch.randn(n, SMALL.hc * SMALL.hidden, generator=g)
+    c = d.head.cfg
+    hidden = torch.randn(n, c.hc * c.hidden, generator=g).to(d.device)
     positions = torch.arange(n)
     d.start_request("r", tokens[:3])
     bounds = [round(i * n / pieces) for i in range(pieces + 1)]

@@ -18,20 +18,10 @@ pieces) and expand the same dynamic tree. It reports:
 from __future__ import annotations
 
 import torch
-from test_dsv4_mtp import _chain_q  # the oracle of the PyTorch drive's tree-row tests
+from test_dsv4_mtp import _caught_up, _chain_q  # the PyTorch drive's tree-row tests' helpers
 
 TOKENS = 14
 POLICY = "s5_k2_d10"  # deeper than the engine's trees: five levels, expanded rows at depths 1 .. 4
-
-
-def _caught_up(d, tokens, hidden):
-    n = len(tokens) - 1
-    positions = torch.arange(n)
-    d.start_request("r", tokens[:3])
-    for a, b in ((0, n // 2), (n // 2, n)):
-        d.observe_target(["r"], [list(range(a, b))], positions, hidden)
-        d._catch_up(d._states["r"], tokens)
-    return d._states["r"]
 
 
 def _tree(d, st, planted: bool = False):
@@ -73,13 +63,11 @@ def check(drafter, target_model) -> dict:
     torch_drafter = MTPTreeDrafter(POLICY, model_dir=drafter.model_dir, hf_config=drafter.hf_config,
                                    dtype=drafter.dtype, device=str(drafter.device))
     torch_drafter.load_model(target_model)
-    g = torch.Generator().manual_seed(7)
-    tokens = [int(t) for t in torch.randint(0, c.vocab, (TOKENS,), generator=g)]
-    hidden = (torch.randn(TOKENS - 1, c.hc * c.hidden, generator=g)).to(drafter.dtype).to(drafter.device)
+    tokens = [int(t) for t in torch.randint(0, c.vocab, (TOKENS,), generator=torch.Generator().manual_seed(7))]
     fresh = MTPTreeDrafter(POLICY, dtype=drafter.dtype, device=str(drafter.device), head=head)
-    with torch.no_grad():
-        st_v = _caught_up(fresh, tokens, hidden)
-        st_t = _caught_up(torch_drafter, tokens, hidden)
+    with torch.no_grad():  # both catch up on the same committed rows (same residuals), in two pieces
+        st_v, _ = _caught_up(fresh, tokens, pieces=2)
+        st_t, _ = _caught_up(torch_drafter, tokens, pieces=2)
         root_dp = float((torch.softmax(st_v.root_logits.float(), -1)
                          - torch.softmax(st_t.root_logits.float(), -1)).abs().max())
         nodes = _tree(fresh, st_v)

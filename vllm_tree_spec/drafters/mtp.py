@@ -524,7 +524,7 @@ class MTPTreeDrafter(TreeDrafter):
             pos = torch.cat(pos_parts)
             if restart:
                 st.kv, st.kv_pos0 = None, int(pos[0])
-            runs.append((st, pos, torch.cat(hid_parts), [tokens[int(p) + 1] for p in pos]))
+            runs.append((st, pos, torch.cat(hid_parts), [tokens[p + 1] for p in pos.tolist()]))
         if not runs:
             return
         sizes = [len(r[1]) for r in runs]

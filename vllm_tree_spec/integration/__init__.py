@@ -137,8 +137,8 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
         (tp_size, tp_rank, shard_indices, num_added_embeddings, parallel_group) and all-gathers its shards with
         the layer's group (vLLM's TP group) in the drafters' load_model, on every rank; record in its docstring.
     P17 (v2/draft_kv.py) Model Runner V2 with an EAGLE-3 / EAGLE / draft-model tree drafter: the network's
-        attention layers (vLLM's own model's, P18) are registered in the forward context when vLLM's loader builds them, so vLLM
-        allocates their KV; the runner's add_requests / update_requests / finish_requests (P12) keep each
+        attention layers (vLLM's own model's, P18) are registered in the forward context when vLLM's loader
+        builds them, so vLLM allocates their KV; the runner's add_requests / update_requests / finish_requests (P12) keep each
         request's block ids of their KV-cache group, and the drafter reads and writes their pages.
         Why: the head's KV belongs in vLLM's KV budget, blocks and prefix cache; V2 allocates KV only for
               registered layers.

@@ -11,8 +11,8 @@ tools/extract_vllm_interface.py, whose targets must cover every path here):
                   path (integration/dsv4: D2-D5, vLLM's CPU layer classes and the kernels it replaces),
                   `"cuda"` the NVIDIA path (integration/dsv4/nvidia: N1-N7, vLLM 0.32's NVIDIA layer classes,
                   the metadata fields it rewrites, what it reads from the runner)
-    V2            the Model Runner V2 adapter (P11-P15, P17-P19): `V2_SIGNATURES` and the registry / no-registry variants
-                  and, with `dsv4=True`, the NVIDIA DeepSeek-V4 adapter's list with what it reads from V2's runner
+    V2            the Model Runner V2 adapter (P11-P15, P17-P19): `V2_SIGNATURES` and the registry / no-registry
+                  variants and, with `dsv4=True`, the NVIDIA DeepSeek-V4 adapter's list with what it reads from V2's runner
 
 vllm_guard.py registers `v1_touches` and `v2_touches` as the adapters of the runners V1 and V2.
 Removal: none needed while the hooks are private; upstream tree hooks would shrink the lists.
@@ -443,8 +443,9 @@ V2_MTP_SIGNATURES: dict[str, tuple[str, ...] | None] = {  # P19: vLLM's MTP mode
 }
 V2_MTP_STATE = (
     f"{_MTP}.DeepSeekV4MTP.model", f"{_MTP}.DeepSeekV4MultiTokenPredictor.layers",
-    f"{_MTP}.DeepSeekV4MultiTokenPredictor.mtp_start_layer_idx", f"{_MTP}.DeepSeekV4MultiTokenPredictorLayer.mtp_block",
-    f"{_MTP}.DeepSeekV4MultiTokenPredictorLayer.config", "vllm.models.deepseek_v4.nvidia.model.DeepseekV4DecoderLayer.attn",
+    f"{_MTP}.DeepSeekV4MultiTokenPredictor.mtp_start_layer_idx",
+    f"{_MTP}.DeepSeekV4MultiTokenPredictorLayer.mtp_block", f"{_MTP}.DeepSeekV4MultiTokenPredictorLayer.config",
+    "vllm.models.deepseek_v4.nvidia.model.DeepseekV4DecoderLayer.attn",
     *(f"{_DSV4_ATTN}.{a}" for a in ("n_local_heads", "head_dim", "eps", "rotary_emb",
                                     "attn_sink", "compressor", "indexer", "compress_ratio")),
 )

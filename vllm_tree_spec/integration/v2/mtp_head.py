@@ -11,8 +11,8 @@ resolves a row's window by position, and siblings share positions).
 
 So the attention layer's `_prepare_and_attn` (the region between vLLM's input projections and its output
 projection; vLLM 0.32 calls it through the alias `_prepare_and_attn_fn` bound at init) is replaced on the
-instance: the query
-projection `_wq_b_proj` is vLLM's, the per-head RMSNorm and the RoPE are those of vLLM's fused insert kernel
+instance: the query projection `_wq_b_proj` is vLLM's, the per-head RMSNorm and the RoPE are those of vLLM's
+fused insert kernel
 (the reference pack's ops, from vLLM's own `cos_sin_cache`), and the attention runs over the window the drafter
 hands each forward (`context_fn`, as for the plugin's PyTorch head), with vLLM's per-head sinks; the output
 goes back into vLLM's buffer, and vLLM's `_o_proj` (inverse RoPE, `wo_a`, `wo_b`, the TP reduction) follows.
@@ -74,8 +74,6 @@ class VllmMTPHead:
     """vLLM's `DeepSeekV4MTP` behind the MTP drafter's head interface: `cfg` (query heads: this rank's) and
     `forward(tokens, positions, prev, context_fn) -> (x [T, hc, H], kv [T, c], logits [T, V])`."""
 
-    loaded_by_runner = True
-
     def __init__(self, model, vllm_config):
         inner = model.model
         self.model, self.vllm_config = model, vllm_config
@@ -122,7 +120,8 @@ class VllmMTPHead:
         try:
             # the MoE's custom op finds its layer in the forward context; no attention metadata is read
             with set_forward_context(None, self.vllm_config, num_tokens=t):
-                x = self.model(tokens, positions.to(torch.int64), prev.reshape(t, -1).to(self.vllm_config.model_config.dtype))
+                prev = prev.reshape(t, -1).to(self.vllm_config.model_config.dtype)  # [T, hc * H]
+                x = self.model(tokens, positions.to(torch.int64), prev)
                 logits = self.model.compute_logits(x)
             kv = self._kv
         finally:

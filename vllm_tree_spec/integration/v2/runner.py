@@ -111,8 +111,8 @@ class TreeV2RunnerMixin(TreeRunnerChecks):
     # -- start-up ---------------------------------------------------------------------------------
     def load_model(self, *args, **kwargs):
         super().load_model(*args, **kwargs)
-        # EAGLE-3 / EAGLE / draft model: the network is vLLM's own model, loaded by vLLM's loaders (draft_head.py);
-        # the other drafters (MTP) load themselves, as on V1
+        # EAGLE-3 / EAGLE / draft model / MTP: the network is vLLM's own model, loaded by vLLM's loaders
+        # (draft_head.py, mtp_head.py); the model-free drafters need no network
         load_vllm_head(self)
         self.drafter.load_model(self.get_model())
         self.drafter.setup_runner(self)  # e.g. EAGLE-3: make the target return its aux hidden states (P7)
