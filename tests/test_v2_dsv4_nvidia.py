@@ -41,6 +41,7 @@ MAX_TOKENS = 16
 SPEC = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 8}
 MTP_SPEC = {"method": "tree", "drafter": "mtp", "tree": "s3_k2_d6"}
 EMITTED_LOGPROB_TOL = 5e-2  # the V1 emulation's batch-shape floor (test_tree_engine.py)
+MTP_FP8_ROW_TOL = 2 ** -4 + 1e-2  # UE8M0 FP8 (e4m3: relative step 2^-3, rounding half of it) plus bf16 differences
 MTP_BF16_PROB_TOL = 2e-2  # bf16 rows of the same maths in different op orders / batch shapes (test_tree_engine_mtp.py)
 MTP_CHAIN_TOL = 1e-3  # the same model's rows, in a tree level or one at a time (bf16 batch-shape rounding only)
 
@@ -134,6 +135,9 @@ def test_v2_mtp_trees_on_vllms_mtp_model(v2):
     assert run["adapter"]["view"] == "V2RunnerView" and run["tree"]["outputs"] == v2["stock"]["outputs"]
     assert ts["accepted"] > ts["rounds"] and run["stores_compared"] > 0 and not run["store_mismatches"]
     assert run["tree_only_stores"] == ["model.layers.4.attn.swa_cache"], run["tree_only_stores"]
+    # the committed window lives in that page: written by vLLM's insert kernel, FP8 rows read back by vLLM's gather
+    assert hc["window"] == "PagedMTPWindow" and run["mtp_page_nonzero"] > 0 and hc["rows_in_page"] == 13
+    assert 0 < hc["page_vs_float_rows"] <= MTP_FP8_ROW_TOL
     assert hc["rows"] >= 8 and max(hc["depths"]) >= 4
     assert hc["tree_vs_chain_dp"] <= MTP_CHAIN_TOL and hc["planted_causal_dp"] > MTP_CHAIN_TOL
     assert hc["root_dp"] <= MTP_BF16_PROB_TOL and hc["tree_vs_torch_dp"] <= MTP_BF16_PROB_TOL

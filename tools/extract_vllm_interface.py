@@ -223,8 +223,11 @@ V2 = [
     f"{_DSV4}.nvidia.mtp.DeepSeekV4MultiTokenPredictorLayer.*",
     f"{_DSV4}.nvidia.model.DeepseekV4DecoderLayer.attn",
     *(f"{_DSV4}.attention.DeepseekV4Attention.{a}" for a in (
-        "_prepare_and_attn", "_wq_b_proj", "_alloc_attn_out", "n_local_heads", "head_dim", "eps",
-        "rotary_emb", "attn_sink", "compressor", "indexer", "compress_ratio")),
+        "_prepare_and_attn", "_wq_b_proj", "_alloc_attn_out", "n_local_heads", "padded_heads", "head_dim", "eps",
+        "rotary_emb", "attn_sink", "compressor", "indexer", "compress_ratio", "swa_cache_layer")),
+    # its committed window in the MTP layer's page (v2/mtp_window.py)
+    f"{_DSV4}.common.ops.cache_utils.dequantize_and_gather_k_cache",
+    f"{_ATTN}.mla.sparse_swa.DeepseekV4SWACache.*",
     "vllm.model_executor.model_loader.utils.get_model_cls",
     "vllm.forward_context.set_forward_context",
     f"{_V2}.model_runner.ExecuteModelState.*",

@@ -79,8 +79,9 @@ def _chain_q(d: MTPTreeDrafter, st: _State, path):
     """q after the path's last node, running the head one row at a time over the committed window and the path
     (the oracle; any head with the drafter's head interface)."""
     h = d.head
-    kv_list = [st.kv[i] for i in range(st.kv.shape[0])]
-    kv_pos = list(range(st.kv_pos0, st.kv_pos0 + st.kv.shape[0]))
+    committed = d.window.rows_many([(st, st.kv_pos0, st.next_pos)])[0]  # the store's rows, as the drafter reads them
+    kv_list = [committed[i].to(st.root_x.device) for i in range(committed.shape[0])]
+    kv_pos = list(range(st.kv_pos0, st.next_pos))
     x, logits = st.root_x, st.root_logits
     for depth, tok in enumerate(path, start=1):
         p = st.root_pos - 1 + depth
@@ -91,7 +92,7 @@ def _chain_q(d: MTPTreeDrafter, st: _State, path):
             return ctx, torch.ones(1, ctx.shape[1], dtype=torch.bool, device=ctx.device)
 
         xo, kv, lg = h.forward(torch.tensor([tok], device=d.device), torch.tensor([p], device=d.device), x[None],
-                               ctx_fn)
+                               ctx_fn, window=d.window)
         kv_list.append(kv[0])
         kv_pos.append(p)
         x, logits = xo[0], lg[0]

