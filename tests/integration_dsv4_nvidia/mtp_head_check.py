@@ -2,8 +2,8 @@
 
 `check(drafter, target_model)` takes the engine's MTP drafter (its head: vLLM's `DeepSeekV4MTP` loaded by the V2
 runner; its window: vLLM's page of the MTP layer) and builds a second drafter on the plugin's PyTorch drive of the
-same checkpoint's MTP weights (float window), mixing with the same target's mHC ops. Both catch up on the same committed rows (random target residuals, two
-pieces) and expand the same dynamic tree. It reports:
+same checkpoint's MTP weights (float window), mixing with the same target's mHC ops. Both catch up on the same
+committed rows (random target residuals, two pieces) and expand the same dynamic tree. It reports:
 
 * `window`, `rows_in_page`, `page_vs_float_rows`: the engine drafter's window store (vLLM's page of the MTP
   layer), how many committed rows the check's request keeps there, and their max distance to the PyTorch

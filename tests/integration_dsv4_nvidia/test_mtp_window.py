@@ -14,27 +14,24 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from test_pack_vs_vllm import BS, _cos_sin, _pages  # strided pages as vLLM pools them, a RoPE table
 
 from vllm_tree_spec.integration.v2.mtp_window import PagedMTPWindow
 from vllm_tree_spec.reference.dsv4_gpu_ops import layout, qnorm_rope_kv_insert
 
 pytestmark = pytest.mark.vllm
-BS, W, HEADS, PADDED = 64, 128, 4, 8
+W, HEADS, PADDED = 128, 4, 8
 
 
 def _page(num_blocks=8):
-    stride = layout.page_bytes(BS) + 576  # vLLM's pages of one layer sit a pooled block apart
-    storage = torch.zeros(num_blocks * stride, dtype=torch.uint8)
-    return torch.as_strided(storage, (num_blocks, BS, layout.ROW_BYTES), (stride, layout.ROW_BYTES, 1))
+    return _pages(num_blocks)[1]
 
 
 def _inputs(n, seed=0):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(n, HEADS, 512, generator=g).to(torch.bfloat16)
     kv = torch.randn(n, 512, generator=g).to(torch.bfloat16)
-    inv = 10000.0 ** (-torch.arange(0, 64, 2, dtype=torch.float64) / 64)
-    f = torch.arange(512, dtype=torch.float64)[:, None] * inv
-    return q, kv, torch.cat((f.cos(), f.sin()), -1).float()
+    return q, kv, _cos_sin()
 
 
 def _window(blocks):

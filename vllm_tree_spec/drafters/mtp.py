@@ -322,7 +322,11 @@ class _State:
     pending: list = field(default_factory=list)  # [(positions [m], target hidden [m, hc, H])] not yet caught up
     root_x: torch.Tensor | None = None  # [hc, H] output of the last committed row
     root_logits: torch.Tensor | None = None  # [V]
-    root_pos: int = -1  # position of the tree root = last committed MTP row position + 1
+
+    @property
+    def root_pos(self) -> int:
+        """Position of the tree root: one past the last committed MTP row (meaningful once root_x is set)."""
+        return self.next_pos
 
 
 class FloatWindow:
@@ -473,11 +477,12 @@ class MTPTreeDrafter(TreeDrafter):
         self.model_dir, self.hf_config, self.layer = model_dir, hf_config, layer
         self.dtype, self.device = dtype, torch.device(device)
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.head = head
-        self.vocab_size = head.cfg.vocab if head is not None else None
+        self.head, self.vocab_size = None, None
+        self.window = None  # the committed rows' store (set with the head)
         self._states: dict[Hashable, _State] = {}
         self._hidden_source = None  # callable -> [T, hc * H] target residual rows of the last step
-        self.window = FloatWindow(head.cfg.window, head.cfg.head_dim) if head is not None else None  # the committed rows' store
+        if head is not None:
+            self.set_head(head)
 
     # -- loading ------------------------------------------------------------------------------------
 
@@ -619,7 +624,7 @@ class MTPTreeDrafter(TreeDrafter):
             st.next_pos = int(pos[-1]) + 1
             st.kv_pos0 = max(st.kv_pos0, st.next_pos - c.window)
             end = start + m - 1
-            st.root_x, st.root_logits, st.root_pos = x[end], logits[end], int(pos[-1]) + 1
+            st.root_x, st.root_logits = x[end], logits[end]
             start += m
 
     # -- drafting -------------------------------------------------------------------------------------

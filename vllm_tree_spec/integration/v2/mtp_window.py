@@ -26,9 +26,7 @@ from typing import Callable, Hashable
 import torch
 
 from vllm_tree_spec.integration.v2.draft_kv import RunnerBlocks
-
-ROW_BYTES = 584  # fp8_ds_mla: 448 e4m3 + 64 bf16 RoPE values, 8 scale bytes
-PAGE_ALIGNMENT = 576  # vLLM rounds every fp8_ds_mla page up to this
+from vllm_tree_spec.reference.dsv4_gpu_ops.layout import HEAD_DIM, ROW_BYTES, page_bytes  # the fp8_ds_mla row
 
 
 def _insert_op():
@@ -46,7 +44,7 @@ def read_slots(cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> tor
     """[N, 512] the dequantized rows at slots of a fp8_ds_mla cache [num_blocks, block_size, 584], one call of
     vLLM's gather: row i reads the last position (slot % block_size) of a one-block table (slot // block_size)."""
     n = slots.shape[0]
-    out = torch.empty(n, 1, 512, dtype=torch.bfloat16, device=cache.device)
+    out = torch.empty(n, 1, HEAD_DIM, dtype=torch.bfloat16, device=cache.device)
     if n:
         slots = slots.to(torch.int64)
         _gather_op()(out, cache, seq_lens=(slots % block_size + 1).to(torch.int32),
@@ -116,7 +114,7 @@ class PagedMTPWindow:
         pages = -(-rows // self.block_size)
         if self._scratch is None or self._scratch.shape[0] < pages:
             bs = self.block_size
-            stride = -(-bs * ROW_BYTES // PAGE_ALIGNMENT) * PAGE_ALIGNMENT  # vLLM's padded page, as its kernels see
+            stride = page_bytes(bs)  # vLLM's padded page, as its kernels see it
             buf = torch.zeros(pages * stride, dtype=torch.uint8, device=self.cache.device)
             self._scratch = buf.as_strided((pages, bs, ROW_BYTES), (stride, ROW_BYTES, 1))
         return self._scratch
