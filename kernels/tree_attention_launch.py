@@ -8,6 +8,7 @@ does). Runs natively on CUDA tensors, or on CPU tensors under
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -97,6 +98,7 @@ def tree_attention_triton(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,  # [H_q] sink logits (fp32 preferred)
     out: torch.Tensor | None = None,  # [T_q, H_q, D] q.dtype, written in place
+    lse_out: torch.Tensor | None = None,  # [T_q, H_q] fp32, written in place: ln sum_{visible k} exp(s_k)
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     num_splits: int | None = None,
@@ -126,6 +128,12 @@ def tree_attention_triton(
     metadata has them on the host) to avoid a device->host sync and to keep the
     launch CUDA-graph capturable. num_splits > 1 splits each tile's key range
     and merges the parts in a second kernel (flash-decoding); None = heuristic.
+
+    lse_out receives each row's natural log-sum-exp over its visible keys, for
+    merging this attention with another over disjoint keys (-inf where no key
+    is visible; that row's output is then unspecified). It needs sinks=None,
+    and the launch then always takes the split path (its parts carry the
+    log-sum-exp).
 
     Raises TypeError / ValueError / NotImplementedError for unsupported inputs
     (fp8 or mixed-dtype caches, head_dim > 256, more than 128 query heads per kv
@@ -186,6 +194,12 @@ def tree_attention_triton(
         _check("depth", depth, _INDEX_DTYPES, 1)
     if softcap is not None and not float(softcap) > 0.0:
         raise ValueError(f"softcap must be > 0, got {softcap}")
+    if lse_out is not None:
+        if sinks is not None:
+            raise ValueError("lse_out is the log-sum-exp over keys; it cannot be combined with sinks")
+        if lse_out.shape != (t_q, hq) or lse_out.dtype != torch.float32:
+            raise ValueError(f"lse_out must be [T_q, H_q] = [{t_q}, {hq}] float32, got {tuple(lse_out.shape)} "
+                             f"{lse_out.dtype}")
     if sinks is not None:
         if sinks.shape != (hq,):
             raise ValueError(f"sinks must be [H_q] = [{hq}], got {tuple(sinks.shape)}")
@@ -233,7 +247,7 @@ def tree_attention_triton(
     sinks_arg = sinks if has_sinks else dummy
     depth_arg = depth if depth is not None else dummy
     packed_arg = packed_mask if packed_mask.numel() else torch.zeros(1, 1, dtype=torch.int32, device=device)
-    split_kv = num_splits > 1
+    split_kv = num_splits > 1 or lse_out is not None
     # NOTE: Triton's interpreter (3.9) multiplies the raw uint16 bits of bf16
     # tl.dot operands; run the dots on fp32 copies there. Never set on GPU.
     upcast = interpret and q.dtype == torch.bfloat16
@@ -285,4 +299,6 @@ def tree_attention_triton(
             HAS_SINKS=has_sinks,
             num_warps=4 if head_dim_p >= 128 else 2,
         )  # fmt: skip
+        if lse_out is not None:  # the parts' log2-sum-exp -> ln over all splits
+            torch.logsumexp(lse * math.log(2.0), dim=0, out=lse_out)
     return out

@@ -168,6 +168,30 @@ def test_page_size_one_and_multiword_mask():
     _close(out, tree_attention_path_oracle(*case.oracle_args), torch.float32)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_lse_out_is_the_log_sum_exp_over_the_visible_keys(num_splits):
+    """lse_out (for merging with attention over other keys) against the explicit mask's log-sum-exp."""
+    from vllm_tree_spec.tree_attention import tree_attention_mask
+
+    gen = torch.Generator().manual_seed(7)
+    case = make_case(mixed_trees(gen), [37, 5, 70, 0, 19], num_heads=4, num_kv_heads=2, head_dim=16)
+    lse = torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32, device=DEVICE)
+    out = tree_attention_triton(*case.args, lse_out=lse, num_splits=num_splits)
+    _close(out, tree_attention_reference(*case.args), torch.float32)
+    qsl, sl, page = case.query_start_loc.tolist(), case.seq_lens.tolist(), case.key_cache.shape[1]
+    for b, tree in enumerate(case.trees):
+        q_len, s = qsl[b + 1] - qsl[b], sl[b]
+        slots = torch.arange(s)
+        keys = case.key_cache.cpu()[case.block_table.cpu()[b, slots // page].long(), slots % page]  # [S, Hkv, D]
+        scores = torch.einsum("qhd,khd->hqk", case.q.cpu()[qsl[b]: qsl[b + 1]].double(),
+                              keys.repeat_interleave(2, 1).double()) * 16 ** -0.5
+        mask = tree_attention_mask(q_len, s, tree.ancestor_mask)
+        want = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), -1).T  # [q_len, H]
+        torch.testing.assert_close(lse.cpu()[qsl[b]: qsl[b + 1]].double(), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="sinks"):
+        tree_attention_triton(*case.args, lse_out=lse, sinks=_sinks(4))
+
+
 def test_out_argument_and_dispatch():
     case = make_case([Tree.chain(2), Tree(torch.tensor([-1, -1, 1]))], [5, 12], head_dim=16)
     out = torch.full_like(case.q, float("nan"))

@@ -23,12 +23,13 @@ is q at the root row.
 * **One forward per tree level, all requests.** A node at depth d with token
   y is the entry (y, g' of its parent) at position n - 2 + d, where g' is the
   head's own pre-norm output (at the root: the last committed entry's). Tree
-  node s of the step lives in column L_max + s of its request's row (scratch
-  columns past every committed length), and attends to its request's
-  committed columns and its ancestors' columns only: each node keeps its
-  ancestor set as a boolean row, so a level's mask is one gather. When the
-  step's requests hold consecutive slots the forward runs on a view of the
-  store (no KV copy at all); otherwise on one gathered copy per step.
+  node s of the step has its own column after the committed ones, and
+  attends to its request's committed entries and its ancestors' columns
+  only: each node keeps its ancestor set as a boolean row, so a level's
+  mask is one gather. The dense store runs the forward on a view of its
+  slots when they are consecutive (no KV copy at all), else on one gathered
+  copy per step; the runner's paged store reads the committed entries in
+  place (`integration/v2/draft_attention.py`).
 * **Draft vocabulary.** q is computed over the head's draft vocabulary only
   (softmax, ranking and draws over V_draft); tree tokens are mapped to target
   ids through d2t, and q rows returned with a tree are scattered onto the
@@ -125,8 +126,9 @@ class _RequestState:
 class _TreeSession(LevelSession):
     """The head's session: every level of every request in one forward, tree KV after the committed KV.
 
-    Tree node s of this step (in creation order) lives in column L_max + s of its request's batch row,
-    with its ancestor set as a boolean row over tree columns (`anc`) and its g' (`feats`).
+    Tree node s of this step (in creation order) lives in column base + s of the store's keys for the session
+    (`HeadCall`: after every committed column in a dense batch, after the unsaved roots in the paged store's
+    own columns), with its ancestor set as a boolean row over tree columns (`anc`) and its g' (`feats`).
     """
 
     def __init__(self, drafter: "Eagle3TreeDrafter", states: list[_RequestState], temperatures: list[float],
@@ -135,13 +137,12 @@ class _TreeSession(LevelSession):
         self.drafter = drafter
         device = drafter.device
         self.lengths = torch.tensor([s.length for s in states], device=device)  # [B]
-        self.l_max = int(self.lengths.max())
         self.slots = [s.slot for s in states]
         self.cap = TREE_RESERVE
-        self.cache, self.is_view = drafter.store.batch(self.slots, self.l_max + self.cap)
-        if not drafter.persist_last and not getattr(drafter.store, "reused", False):
-            # the roots' entries are only in the batch the step's feed wrote back (class comment)
-            raise DrafterError("tree session: the step's feed batch (with the roots' entries) was not reused")
+        # the keys: every request's committed entries, then the tree's columns from `call.base` on (the roots'
+        # entries of a drafter that does not persist them are the feed's: `persist_last`)
+        self.call = drafter.store.session(self.slots, [s.length for s in states], self.cap,
+                                          0 if drafter.persist_last else 1)
         batch = len(states)
         self.anc = torch.zeros(batch, self.cap, self.cap, dtype=torch.bool, device=device)  # [B, S, S]
         self.feats = torch.zeros(batch, self.cap, drafter.head.cfg.hidden, dtype=drafter.dtype, device=device)
@@ -150,17 +151,12 @@ class _TreeSession(LevelSession):
         self.num_slots = 0
 
     def close(self) -> None:
-        self.cache = self.anc = self.feats = None
+        self.call = self.anc = self.feats = None
 
     def _grow(self, slots: int) -> None:
         """Room for `slots` tree columns (rare: a tree wider than TREE_RESERVE)."""
         cap = max(2 * self.cap, slots)
-        cols = self.l_max + cap
-        if self.is_view:
-            self.cache, _ = self.drafter.store.batch(self.slots, cols)
-        else:
-            self.cache = [tuple(torch.cat([t, t.new_zeros(*t.shape[:2], cols - t.shape[2], t.shape[3])], 2)
-                                for t in kv) for kv in self.cache]
+        self.drafter.store.grow(self.call, self.slots, cap)
         anc = self.anc.new_zeros(len(self.states), cap, cap)
         anc[:, : self.cap, : self.cap] = self.anc
         feats = self.feats.new_zeros(len(self.states), cap, self.feats.shape[-1])
@@ -198,13 +194,10 @@ class _TreeSession(LevelSession):
         anc = self.anc[bi, pc] & has_parent[..., None]  # [B, n, S] the parent's ancestors and itself
         anc[:, torch.arange(width, device=device), own] = True
         self.anc[:, s0: s0 + width] = anc
-        committed = torch.arange(self.l_max, device=device) < self.lengths[:, None]  # [B, L_max]
-        valid = self.drafter.store.valid_rows(self.slots, self.l_max)
-        if valid is not None:
-            committed = committed & valid
-        mask = torch.cat([committed[:, None].expand(batch, width, self.l_max), anc[:, :, : s0 + width]], -1)
+        call = self.call
+        mask = torch.cat([call.base_mask[:, None].expand(batch, width, call.base), anc[:, :, : s0 + width]], -1)
         with torch.no_grad():
-            logits, g_next = head(ids_t, g, pos, mask, self.cache, (self.l_max + own).expand(batch, width))
+            logits, g_next = head(ids_t, g, pos, mask, call.cache, (call.base + own).expand(batch, width))
         self.feats[:, s0: s0 + width] = g_next
         self.num_slots += width
         return logits  # [B, n, V_draft]
@@ -538,26 +531,16 @@ class Eagle3TreeDrafter(LevelTreeDrafter):
             ids[b, : counts[b]] = torch.tensor(toks)
             if self.reads_features:
                 feats[b, : counts[b]] = st.features.take(first, counts[b])
-        cols = firsts[:, None] + torch.arange(width, device=device)  # [B, n] padding rows write scratch
-        n_cols = int(cols.max()) + 1
-        mask = torch.arange(n_cols, device=device) <= cols[..., None]  # [B, n, L] own prefix, causal
+        positions = firsts[:, None] + torch.arange(width, device=device)  # [B, n] padding rows: scratch
         slots = [st.slot for st, _, _ in todo]
-        cache, is_view = self.store.batch(slots, n_cols)
-        valid = self.store.valid_rows(slots, n_cols)
-        if valid is not None:
-            for b, (st, first, _) in enumerate(todo):
-                valid[b, first:] = True  # columns this feed writes (padding rows: scratch)
-                self.store.valid[st.slot, first: first + counts[b]] = True
-            mask = mask & valid[:, None]
+        call = self.store.feed(slots, [first for _, first, _ in todo], counts)
         last = torch.tensor(counts, device=device) - 1  # [B]
         with torch.no_grad():
             g = head.combine(feats) if self.reads_features else None
-            logits, g_next = head(ids.to(device), g, cols, mask, cache, cols, rows=last)
-        if not is_view:
-            final = final or [True] * batch
-            unsaved = [int(f and not self.persist_last) for f in final]  # the root waits for its slot (class comment)
-            self.store.write_back(cache, slots, [(first, first + c - u)
-                                                 for (_, first, _), c, u in zip(todo, counts, unsaved)])
+            logits, g_next = head(ids.to(device), g, positions, call.mask, call.cache, call.cols, rows=last)
+        final = final or [True] * batch
+        unsaved = [int(f and not self.persist_last) for f in final]  # the root waits for its slot (class comment)
+        self.store.fed(call, slots, [(first, first + c - u) for (_, first, _), c, u in zip(todo, counts, unsaved)])
         for b, (st, first, toks) in enumerate(todo):
             st.length = first + counts[b]
             st.entry_tokens.extend(toks)

@@ -157,8 +157,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
 
     cache: keys / values [B, Hkv, C, D]; the rows' own keys / values are written in place at columns
     cols [B, n] and the rows attend over columns [0, L). None: the rows attend to each other (L = n).
+    A layer of the runner's paged store (`integration/v2/draft_attention.PagedLayerKV`) attends itself:
+    the committed entries in place, the mask over its own columns.
     scale: of the scores (None: 1 / sqrt(D)).
     """
+    if hasattr(cache, "attend"):
+        return cache.attend(q, k, v, mask, cols, scale)
     bsz, n, heads, _ = q.shape
     if cache is None:
         keys, values = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, n, D]

@@ -1,18 +1,38 @@
 """Where an EAGLE head keeps its committed KV: the stores `eagle3.py` drafts from.
 
-A request owns a slot for its life; its entries are columns [0, length) of that slot. A store hands a batch
-of slots to the head as per-layer K/V `[B, H_kv, >= cols, D]` (`batch`), and takes back the columns a
-forward wrote (`write_back`, unless the batch was a view). Columns a prefix-cache hit could not supply are
-holes, masked out of the head's attention (`valid`, read only once a hole exists).
+A request owns a slot for its life; its entries are columns [0, length) of that slot. A store sets up each
+forward of the head: a feed of new entries (`feed`, then `fed` to keep what it wrote) or a tree session
+(`session`): the per-layer keys the head attends over, the rows' columns in them and the mask. Entries a
+prefix-cache hit could not supply are holes, masked out of the head's attention (`valid`, read only once a
+hole exists).
 
-    DenseHeadKV   per layer keys/values [slots, H_kv, capacity, D] beside the model (any runner)
+    DenseHeadKV   per layer keys/values [slots, H_kv, capacity, D] beside the model (any runner); a forward
+                  runs on a batch of them (a view, or a gathered copy written back), the tree's columns after
+                  every request's committed ones
     PagedHeadKV   the runner's paged KV cache: entry t at the cache slot of position t, in vLLM's blocks and
-                  memory budget (Model Runner V2: `integration/v2/draft_kv.py`)
+                  memory budget, read in place (Model Runner V2: `integration/v2/draft_kv.py`)
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
+
+
+@dataclass
+class HeadCall:
+    """One forward's keys: `cache` the head's per-layer keys (dense K/V pairs, or the paged store's layers), the
+    rows' columns in them, and the mask over them. A session's tree columns start at `base`; every tree row sees
+    the columns before it where `base_mask` [B, base] is True."""
+
+    cache: Any
+    is_view: bool = False
+    cols: torch.Tensor | None = None  # [B, n] (a feed)
+    mask: torch.Tensor | None = None  # [B, n, L] (a feed)
+    base: int = 0
+    base_mask: torch.Tensor | None = None  # [B, base] (a session)
 
 
 class HeadKVSlots:
@@ -56,6 +76,50 @@ class HeadKVSlots:
             return None
         self._reserve_valid(self.num_slots, cols)
         return self.valid[torch.tensor(slots, device=self.device), :cols]
+
+    # -- a forward's keys, on a batch of the store (`batch` / `write_back`) -------------------------
+    def feed(self, slots: list[int], firsts: list[int], counts: list[int]) -> HeadCall:
+        """New entries first .. first + count - 1 of each slot: rows at their own columns, each seeing its
+        slot's entries before it (holes masked) and itself."""
+        device, width = self.device, max(counts)
+        cols = torch.tensor(firsts, device=device)[:, None] + torch.arange(width, device=device)  # [B, n]
+        n_cols = max(firsts) + width  # padding rows write scratch columns
+        mask = torch.arange(n_cols, device=device) <= cols[..., None]  # [B, n, L] own prefix, causal
+        cache, is_view = self.batch(slots, n_cols)
+        valid = self.valid_rows(slots, n_cols)
+        if valid is not None:
+            for b, (slot, first, count) in enumerate(zip(slots, firsts, counts)):
+                valid[b, first:] = True  # columns this feed writes (padding rows: scratch)
+                self.valid[slot, first: first + count] = True
+            mask = mask & valid[:, None]
+        return HeadCall(cache, is_view, cols=cols, mask=mask)
+
+    def fed(self, call: HeadCall, slots: list[int], spans: list[tuple[int, int]]) -> None:
+        """After a feed: entries [a, b) of slot i are kept."""
+        if not call.is_view:
+            self.write_back(call.cache, slots, spans)
+
+    def session(self, slots: list[int], lengths: list[int], cap: int, unsaved: int) -> HeadCall:
+        """A tree session over these slots' entries: room for `cap` tree columns after the longest request's.
+        unsaved: entries at each request's end that only the step's feed holds (none in a dense store)."""
+        if unsaved:
+            raise RuntimeError(f"{type(self).__name__} keeps every entry it is fed; unsaved entries need a paged store")
+        l_max = max(lengths)
+        cache, is_view = self.batch(slots, l_max + cap)
+        committed = torch.arange(l_max, device=self.device) < torch.tensor(lengths, device=self.device)[:, None]
+        valid = self.valid_rows(slots, l_max)
+        if valid is not None:
+            committed = committed & valid
+        return HeadCall(cache, is_view, base=l_max, base_mask=committed)
+
+    def grow(self, call: HeadCall, slots: list[int], cap: int) -> None:
+        """Room for `cap` tree columns in a session (rare: a tree wider than the reserve)."""
+        cols = call.base + cap
+        if call.is_view:
+            call.cache, _ = self.batch(slots, cols)
+        else:
+            call.cache = [tuple(torch.cat([t, t.new_zeros(*t.shape[:2], cols - t.shape[2], t.shape[3])], 2)
+                                for t in kv) for kv in call.cache]
 
 
 class DenseHeadKV(HeadKVSlots):

@@ -143,7 +143,8 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
         Why: the head's KV belongs in vLLM's KV budget, blocks and prefix cache; V2 allocates KV only for
               registered layers.
         What: vLLM sizes, allocates and binds their caches with the target's; vLLM's attention backend never
-              runs on them (the head attends over K/V gathered from their pages, tree columns appended, P18);
+              runs on them (the head reads their pages in place, v2/draft_attention.py, and merges the step's
+              own columns, P18);
               the target's commit skips them (their entries are written by the head itself).
         Removal: tree attention metadata for draft models in V2's draft-model speculators (the head's KV would
               then be read by vLLM's backend, block table and all).
@@ -153,8 +154,8 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
         from an `eagle3` / `eagle` / `draft_model` SpeculativeConfig for the checkpoint, under a shallow copy of the
         runner's config (that speculative config; a cache config copy of full attention in the model dtype);
         each of its Attention layers gets, on the instance, a forward that runs the drafter's tree-masked
-        attention over K/V gathered from its own pages (P17); its LlamaModel's torch.compile wrapper is
-        bypassed (do_not_compile: tree levels change shape every step).
+        attention over its own pages, read in place, and the step's own columns (P17); its LlamaModel's
+        torch.compile wrapper is bypassed (do_not_compile: tree levels change shape every step).
         Why: the network should be vLLM's model (its TP-sharded linear layers, the target's shared embedding and
               LM head modules, vLLM's norms, RoPE and logits processor), but vLLM's draft attention is
               causal and a tree level needs the ancestor mask.

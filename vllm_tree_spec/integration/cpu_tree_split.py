@@ -192,24 +192,30 @@ def _softcap(s: torch.Tensor, softcap: float) -> torch.Tensor:
     return softcap * torch.tanh(s / softcap) if softcap else s
 
 
-def prefix_part(q: torch.Tensor, kv_cache: torch.Tensor, head_dim: int, blocks: PrefixBlocks, nodes: NodeRows,
-                *, isa: str, scale: float, softcap: float, window: int, values: bool):
+def prefix_part(q: torch.Tensor, kv_cache: torch.Tensor, head_dim: int, blocks: PrefixBlocks, nodes: NodeRows | None,
+                *, isa: str | None, scale: float, softcap: float, window: int, values: bool,
+                layout: str = "cpu_attn"):
     """Log-sum-exp (and, with values=True, the normalised output) of every node over its prefix keys.
 
     q [B, n, Hkv, G, D] float32. Returns lse [B, n, Hkv, G] (-inf where no key is visible) and
-    o [B, n, Hkv, G, D] or None. The K blocks are read from the paged cache as K^T per block and head
-    (the matmul's natural operand; the vec layout stores it so), BLOCK_CHUNK blocks at a time.
+    o [B, n, Hkv, G, D] (0 there) or None. The K blocks are read from the paged cache as K^T per block and
+    head (the matmul's natural operand; the vec layout stores it so), BLOCK_CHUNK blocks at a time.
+    layout: "cpu_attn" (with the layer's isa) or "paged" (FLASH_ATTN / TRITON_ATTN; a draft network's pages
+    on Model Runner V2). nodes: only read with a window.
     """
     B, n, hkv, g, d = q.shape
     bs = kv_cache.shape[2]
     M = blocks.block_ids.shape[0]
     qg = q.permute(0, 2, 1, 3, 4).reshape(B, hkv, n * g, d)  # [B, Hkv, n*G, D]
-    lse = torch.full((B, hkv, n * g), -math.inf)
+    lse = torch.full((B, hkv, n * g), -math.inf, device=q.device)
     parts = []  # (req, lse_blk, o_blk) per chunk, merged below
     for c0 in range(0, M, BLOCK_CHUNK):
         sl = slice(c0, min(M, c0 + BLOCK_CHUNK))
         req = blocks.req[sl]
-        k_t, v_blk = kv_layout.cpu_block_kv(kv_cache, blocks.block_ids[sl], head_dim, isa, values=values)
+        if layout == "paged":
+            k_t, v_blk = kv_layout.paged_block_kv(kv_cache, blocks.block_ids[sl], head_dim, values=values)
+        else:
+            k_t, v_blk = kv_layout.cpu_block_kv(kv_cache, blocks.block_ids[sl], head_dim, isa, values=values)
         s = torch.matmul(qg[req], k_t.float()) * scale  # [m, Hkv, n*G, bs]; k_t [m, Hkv, D, bs]
         s = _softcap(s, softcap)
         if window > 0:  # per node: key position > root_pos + depth - W
@@ -228,7 +234,7 @@ def prefix_part(q: torch.Tensor, kv_cache: torch.Tensor, head_dim: int, blocks: 
         lse.scatter_reduce_(0, req[:, None, None].expand_as(lse_blk), lse_blk, "amax")  # per-request max
     gmax = lse.clone()
     total = torch.zeros_like(lse)
-    o = torch.zeros(B, hkv, n * g, d) if values else None
+    o = torch.zeros(B, hkv, n * g, d, device=q.device) if values else None
     safe = gmax.clamp_min(-1e30)
     for req, lse_blk, o_blk in parts:
         w = torch.exp(lse_blk - safe[req])  # [m, Hkv, n*G]

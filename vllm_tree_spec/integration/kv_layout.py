@@ -322,6 +322,13 @@ def paged_gather(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> 
     return rows[..., :head_dim], rows[..., head_dim:]
 
 
+def paged_block_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, head_dim: int, *, values: bool = True):
+    """(K^T [m, Hkv, D, bs], V [m, Hkv, bs, D] or None) of the given blocks of a FLASH_ATTN / TRITON_ATTN cache
+    [nb, Hkv, bs, 2D] (the CPU_ATTN reader's form: `cpu_block_kv`)."""
+    kv = kv_cache[block_ids]  # [m, Hkv, bs, 2D]
+    return kv[..., :head_dim].transpose(-1, -2), (kv[..., head_dim:] if values else None)
+
+
 def paged_write(kv_cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """kv_cache[slots] <- K, V [S, Hkv, D] of a FLASH_ATTN / TRITON_ATTN cache [nb, Hkv, bs, 2D]; in place."""
     bs = kv_cache.shape[2]

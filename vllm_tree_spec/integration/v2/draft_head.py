@@ -11,9 +11,9 @@ mask, which vLLM's draft attention cannot express.
 
 The network's `Attention` layers are vLLM's (registered by the model, so vLLM counts and allocates their
 pages with the target's: `draft_kv.py` reads and writes them). Each one's forward is replaced on the
-instance by the drafter's masked attention (`eagle3_head.attend`) over the request's entries gathered from
-those pages plus the tree's columns: each rank attends with its own heads over its own shard of the KV, and
-the row-parallel output projection sums the ranks, as in vLLM's forward.
+instance by the drafter's masked attention (`eagle3_head.attend`): the request's entries read in place from
+those pages, plus the step's own columns (`draft_attention.py`). Each rank attends with its own heads over
+its own shard of the KV, and the row-parallel output projection sums the ranks, as in vLLM's forward.
 
 `VllmEagleHead` and `VllmDraftModel` give the drafters (`drafters/eagle3.py`, `drafters/eagle.py`,
 `drafters/draft_model_paged.py`) the interface of the plugin's PyTorch heads (`eagle3_head.Eagle3Head`,
@@ -109,7 +109,7 @@ def load_vllm_draft_model(runner, path: str) -> "VllmDraftModel":
 
 class _VllmTreeNetwork(nn.Module):
     """A vLLM model whose attention layers run the drafter's tree-masked attention (`eagle3_head.attend`) over
-    the K/V the drafter hands each forward (`cache`: per layer [B, H_kv, C, D], gathered from the layers' pages)
+    the K/V the drafter hands each forward (`cache`: per layer, the paged store's `PagedLayerKV`, or [B, H_kv, C, D])
     instead of vLLM's backend; each rank attends with its own heads."""
 
     loaded_by_runner = True  # on the runner's device and dtype, sharing modules with the target: never cast

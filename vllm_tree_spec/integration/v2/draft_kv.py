@@ -5,13 +5,14 @@ it budgets for KV (`gpu_memory_utilization`; `VLLM_CPU_KVCACHE_SPACE` on CPU), i
 target's. The head is vLLM's own model (`draft_head.py`), loaded before vLLM sizes its cache, so its
 `Attention` layers are registered there: vLLM counts their pages in its block budget, hands their blocks out
 with the target's and keeps them in its prefix cache. vLLM's attention backend never runs on them: their
-forward is the drafter's tree-masked attention (`drafters/eagle3_head.attend`) over what this store gathers.
+forward is the drafter's tree-masked attention over the pages (`draft_attention.py`).
 
 Entry t of a request (the head's K/V for committed position t) lives at the cache slot of position t, where
-the target keeps its own K/V of that position in its layers. A request's entries are read per step into
-`[B, H_kv, cols, D]` (one gather per layer from its block ids, shared by the step's feed of new entries and
-its tree levels), the tree's columns appended after them; the entries a forward computed are written to
-their slots (`write_back`). The tree's own KV never enters the cache.
+the target keeps its own K/V of that position in its layers. A forward's rows read their requests' entries
+in place, through the block ids, and keep their own K/V in a small dense buffer (a feed's new entries, a
+tree's columns); a feed's entries are then written to their slots (`fed`). The tree's own KV never enters
+the cache. A draft model's root entry has no slot yet when it is fed (its slot comes with the target's next
+step): the step's tree session takes it from the feed's buffer.
 
 Prefix-cache hits: the blocks vLLM reuses carry the writer's head entries. A block's entries are trusted
 only where a record says who wrote them (`records`: block id -> the content key of the tokens they depend
@@ -27,9 +28,12 @@ from typing import Callable
 
 import torch
 
-from vllm_tree_spec.drafters.head_kv import HeadKVSlots
+from vllm_tree_spec.drafters.base import DrafterError
+from vllm_tree_spec.drafters.head_kv import HeadCall, HeadKVSlots
 from vllm_tree_spec.drafters.prefix_pages import PrefixStats, chain_keys
 from vllm_tree_spec.integration import kv_layout
+from vllm_tree_spec.integration.v2.draft_attention import Committed, PagedLayerKV, PagedStep
+
 
 class PagedHeadKV(HeadKVSlots):
     """The head's committed KV in the runner's blocks (module docstring).
@@ -53,8 +57,8 @@ class PagedHeadKV(HeadKVSlots):
         self.block_size = 0  # tokens per block of the scheduler's block ids
         self.records: dict[int, tuple[bytes, int]] = {}  # block id -> (content key, token after the block)
         self.stats: PrefixStats | None = None  # set when prefix caching is on
-        self._last: tuple[list[int], list] | None = None  # the batch last written back: (slots, per-layer K/V)
-        self.reused = False  # the last `batch` was the one last written back
+        # the step's last feed: (slots, per-layer own K/V [B, H_kv, n, D], each row's column after its kept ones)
+        self._last: tuple[list[int], list[tuple[torch.Tensor, torch.Tensor]], list[int]] | None = None
 
     def attach(self, forward_context: dict, block_size: int) -> None:
         """After vLLM allocated and bound the caches: each layer's cache and layout."""
@@ -83,25 +87,64 @@ class PagedHeadKV(HeadKVSlots):
     def reserve(self, cols: int) -> None:
         self._reserve_valid(self.num_slots, cols)
 
-    def _slots(self, slots: list[int], cols: int) -> torch.Tensor:
-        """[B, cols] cache slot of positions 0..cols-1 of each request (past its blocks: its last block's,
-        read as scratch and masked)."""
-        bs = self.block_size
-        nblk = -(-cols // bs)
-        table = torch.zeros(len(slots), nblk, dtype=torch.long)
+    def begin_step(self) -> None:
+        self._last = None
+
+    def _table(self, slots: list[int], tokens: int) -> torch.Tensor:
+        """[B, nblk] int32 block ids covering positions 0..tokens-1 of each slot's request, padded past its
+        blocks with its first block (read as scratch, masked)."""
+        nblk = max(1, -(-tokens // self.block_size))
+        table = torch.zeros(len(slots), nblk, dtype=torch.int32)
         for b, s in enumerate(slots):
             ids = self.block_ids(self.req_of[s])[:nblk]
             if ids:
-                table[b, : len(ids)] = torch.tensor(ids)
-                table[b, len(ids):] = ids[-1]
-        table = table.to(self.device, non_blocking=True)
-        pos = torch.arange(cols, device=self.device)
-        return table[:, pos // bs] * bs + pos % bs
+                table[b] = ids[0]
+                table[b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        return table.to(self.device, non_blocking=True)
 
-    def _read(self, cache: torch.Tensor, layout: str, isa, slots: torch.Tensor):
-        if layout == "cpu_attn":
-            return kv_layout.cpu_gather(cache, slots, self.head_dim, isa)
-        return kv_layout.paged_gather(cache, slots, self.head_dim)
+    def _step(self, slots: list[int], lengths: list[int], own: int, extra: int) -> PagedStep:
+        """Per layer: entries 0..lengths[b]-1 in the pages, `own` dense columns; the table covers `extra`
+        positions past the longest request (the feed's writes, the kernel's reads)."""
+        valid = self.valid_rows(slots, max(lengths)) if max(lengths) else None
+        committed = Committed(self._table(slots, max(lengths) + extra), list(lengths), self.block_size, valid)
+        shape = (len(slots), self.kv_heads, own, self.head_dim)
+
+        def zeros():
+            return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+        return PagedStep(PagedLayerKV(committed, kv, layout, isa, zeros(), zeros()) for kv, layout, isa in self.caches)
+
+    def feed(self, slots: list[int], firsts: list[int], counts: list[int]) -> HeadCall:
+        """Rows for entries first .. first + count - 1: each sees its request's entries before `first` in the
+        pages and the feed's rows up to itself (own columns 0..count-1)."""
+        width = max(counts)
+        if self.has_holes:
+            self.reserve(max(f + c for f, c in zip(firsts, counts)))
+            for slot, first, count in zip(slots, firsts, counts):
+                self.valid[slot, first: first + count] = True
+        step = self._step(slots, firsts, width, width)
+        cols = torch.arange(width, device=self.device).expand(len(slots), width)
+        mask = torch.ones(width, width, dtype=torch.bool, device=self.device).tril().expand(len(slots), -1, -1)
+        return HeadCall(step, cols=cols, mask=mask)
+
+    def fed(self, call: HeadCall, slots: list[int], spans: list[tuple[int, int]]) -> None:
+        """Entries [a, b) of row i (own columns 0..b-a-1) into their slots; the feed's columns are kept for the
+        step's tree session (a root the feed did not write)."""
+        step: PagedStep = call.cache
+        self._last = (list(slots), [(layer.k, layer.v) for layer in step], [b - a for a, b in spans])
+        rows, cols, pos = [], [], []
+        for i, (a, b) in enumerate(spans):
+            rows += [i] * (b - a)
+            cols += range(b - a)
+            pos += range(a, b)
+        if not rows:
+            return
+        r, c, p = (torch.tensor(x).to(self.device, non_blocking=True) for x in (rows, cols, pos))  # [S] each
+        table = step[0].committed.block_table.long()
+        bs = self.block_size
+        where = table[r, p // bs] * bs + p % bs  # [S]
+        for layer, (kv, layout, isa) in zip(step, self.caches):
+            self._write(kv, layout, isa, where, layer.k[r, :, c], layer.v[r, :, c])  # [S, H_kv, D]
 
     def _write(self, cache: torch.Tensor, layout: str, isa, slots: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor) -> None:
@@ -111,51 +154,26 @@ class PagedHeadKV(HeadKVSlots):
         else:
             kv_layout.paged_write(cache, slots, k, v)
 
-    def begin_step(self) -> None:
-        self._last = None
-
-    def batch(self, slots: list[int], cols: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], bool]:
-        """Per layer KV [B, H_kv, cols, D] of these slots' positions 0..cols-1, gathered from the cache (a
-        copy: write new entries back with `write_back`). A step's tree sessions ask for rows of the batch its
-        feed wrote back: those rows are reused (they equal the pages, and hold what a drafter does not write
-        to them yet: a draft model's roots), widened with zero columns. Sessions of one step hold disjoint
-        requests and write only past their requests' entries, so the batch stays good for the step."""
-        self.reserve(cols)
+    def session(self, slots: list[int], lengths: list[int], cap: int, unsaved: int) -> HeadCall:
+        """A tree session: each request's entries in the pages, then own columns: the `unsaved` last entries
+        (a draft model's root, from the step's feed), then `cap` tree columns."""
         last = self._last
-        self.reused = last is not None and set(slots) <= set(last[0])
-        if self.reused:
-            rows = None if last[0] == slots else torch.tensor([last[0].index(s) for s in slots], device=self.device)
-            return [tuple(self._widen(t if rows is None else t[rows], cols) for t in kv) for kv in last[1]], False
-        where = self._slots(slots, cols).flatten()  # [B * cols]
-        out = []
-        for cache, layout, isa in self.caches:
-            k, v = self._read(cache, layout, isa, where)  # [B * cols, H_kv, D]
-            out.append(tuple(t.view(len(slots), cols, self.kv_heads, self.head_dim).transpose(1, 2)
-                             .to(self.dtype).contiguous() for t in (k, v)))
-        return out, False
+        if unsaved and (last is None or not set(slots) <= set(last[0])):
+            raise DrafterError("tree session: the roots' entries are only in the step's feed, which did not hold "
+                               "every request of the session")
+        step = self._step(slots, [n - unsaved for n in lengths], unsaved + cap, unsaved + cap)
+        if unsaved:
+            rows = torch.tensor([last[0].index(s) for s in slots], device=self.device)
+            kept = torch.tensor(last[2], device=self.device)[rows]  # [B] the root's column in the feed's rows
+            cols = kept[:, None] + torch.arange(unsaved, device=self.device)  # [B, u]
+            for layer, (k, v) in zip(step, last[1]):
+                for own, fed in ((layer.k, k), (layer.v, v)):
+                    own[:, :, :unsaved] = fed[rows[:, None], :, cols].transpose(1, 2)  # [B, u, H_kv, D] -> own
+        base_mask = torch.ones(len(slots), unsaved, dtype=torch.bool, device=self.device)
+        return HeadCall(step, base=unsaved, base_mask=base_mask)
 
-    @staticmethod
-    def _widen(t: torch.Tensor, cols: int) -> torch.Tensor:
-        """[B, H, n, D] -> [B, H, cols, D]: the first cols columns, zero columns past n."""
-        n = t.shape[2]
-        if n >= cols:
-            return t[:, :, :cols]
-        return torch.cat([t, t.new_zeros(*t.shape[:2], cols - n, t.shape[3])], 2)
-
-    def write_back(self, cache, slots: list[int], spans: list[tuple[int, int]]) -> None:
-        """Columns [a, b) of batch row i (entries a..b-1 of slot slots[i]) into the cache; the batch is kept
-        for the tree session that usually follows (`batch`)."""
-        self._last = (list(slots), cache)
-        rows, cols = [], []
-        for i, (a, b) in enumerate(spans):
-            rows += [i] * (b - a)
-            cols += range(a, b)
-        if not rows:
-            return
-        r, c = (torch.tensor(x).to(self.device, non_blocking=True) for x in (rows, cols))  # [S] each
-        where = self._slots(slots, max(b for _, b in spans))[r, c]  # [S]
-        for (k, v), (kv, layout, isa) in zip(cache, self.caches):
-            self._write(kv, layout, isa, where, k[r, :, c], v[r, :, c])  # [S, H_kv, D]
+    def grow(self, call: HeadCall, slots: list[int], cap: int) -> None:
+        call.cache.widen(call.base + cap)
 
     # -- prefix-cache hits ------------------------------------------------------------------------
     def record(self, slot: int, tokens: list[int], length: int, keys: list[bytes], recorded: int) -> int:
