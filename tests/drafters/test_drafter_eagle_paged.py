@@ -27,13 +27,14 @@ from vllm_tree_spec.drafters.eagle3 import Eagle3TreeDrafter  # noqa: E402
 from vllm_tree_spec.drafters.eagle3_head import load_head  # noqa: E402
 from vllm_tree_spec.drafters.policy import StaticPolicy  # noqa: E402
 from vllm_tree_spec.integration import kv_layout  # noqa: E402
+from vllm_tree_spec.integration.v2.draft_attention import Committed  # noqa: E402
 from vllm_tree_spec.integration.v2.draft_kv import PagedHeadKV  # noqa: E402
 from vllm_tree_spec.tree import Tree  # noqa: E402
 
 BLOCK = 16
 NUM_BLOCKS = 64
 SHAPE = Tree.from_paths([(0,), (1,), (0, 0), (1, 0), (0, 0, 0)])
-LAYOUTS = ["cpu_attn", "paged"]
+LAYOUTS = ["cpu_attn", "paged", "paged-kernel"]  # paged-kernel: the pages read by the Triton tree kernel (CUDA's path)
 
 
 def head_layer_names(num_layers: int) -> list[str]:
@@ -109,10 +110,14 @@ def step(drafter, target, reqs: dict[str, list[int]], first: dict[str, int]):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_pages_hold_the_dense_entries_and_the_drafts_match(setup, layout):
+def test_pages_hold_the_dense_entries_and_the_drafts_match(setup, layout, monkeypatch):
     """Three requests over three steps (prefill, then a few committed tokens each): after every step the
     pages hold each request's entries bit for bit as the dense store does, and the trees and q rows are
     the dense store's (q within float rounding)."""
+    if layout == "paged-kernel":
+        pytest.importorskip("triton")
+        monkeypatch.setattr(Committed, "backend", "triton")
+        layout = "paged"
     target, head, dense, paged, runner = make(setup, layout)
     reqs = {"a": tokens(0, 23), "b": tokens(1, 40), "c": tokens(2, 9)}
     first = {rid: 0 for rid in reqs}

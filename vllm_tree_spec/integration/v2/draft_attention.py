@@ -44,6 +44,8 @@ class Committed:
     block_size: int
     valid: torch.Tensor | None = None  # [B, max(lengths)] bool, False at holes (None: no holes)
 
+    backend = "auto"  # class-wide: "triton" / "torch" force a path (tests run the kernel's on the interpreter)
+
     def __post_init__(self):
         self.device = self.block_table.device
         self._blocks: PrefixBlocks | None = None
@@ -80,11 +82,12 @@ class Committed:
         return self._kernel[1:]
 
     def attend(self, q: torch.Tensor, cache: torch.Tensor, layout: str, isa, scale: float,
-               backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+               backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q [B, n, H, D] over the committed entries of one layer's cache: (o [B, n, H, D] fp32, 0 where no
         entry is visible; lse [B, n, H] fp32, -inf there). backend "auto": the kernel for a CUDA FLASH_ATTN /
         TRITON_ATTN cache without holes, else blockwise ("triton" / "torch" force one, for tests)."""
         bsz, n, heads, d = q.shape
+        backend = backend or self.backend
         if backend == "auto":
             backend = "triton" if layout == "paged" and q.is_cuda and self.valid is None else "torch"
         if backend == "triton":
