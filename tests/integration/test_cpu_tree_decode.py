@@ -290,7 +290,8 @@ def test_leaving_out_the_path_writes_is_caught(monkeypatch):
 
 def test_the_comparison_fails_for_a_kernel_that_rounds_otherwise():
     """Negative control: the C++ tree kernel (exact attention, its own rounding order) is not bit-identical
-    to vLLM's decode, so the comparison above can fail."""
+    to vLLM's decode, so the comparison above can fail. How often the two round apart depends on the ISA
+    (over 10 % of bf16 outputs with AVX2, under 0.1 % with AVX-512-BF16): the control asks for any."""
     from vllm_tree_spec.kernels import cpu_tree_attention_launch as K
 
     ok, why = K.available()
@@ -299,5 +300,5 @@ def test_the_comparison_fails_for_a_kernel_that_rounds_otherwise():
     out, refs, _, _, step = run_step(isa="vec", dtype=torch.bfloat16, head_dim=64, hkv=2, g=2, bs=32, window=0,
                                      softcap=0.0, sinks=False, ctxs=CTXS, split_kv=False, seed=5, mode="kernel")
     rows = _tree_rows(step)
-    assert (out[rows] != refs[rows]).float().mean() > 0.1
+    assert (out[rows] != refs[rows]).any()
     assert torch.allclose(out[rows].float(), refs[rows].float(), atol=0.05)  # same attention, other rounding

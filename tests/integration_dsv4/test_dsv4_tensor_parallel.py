@@ -40,7 +40,7 @@ SITE = textwrap.dedent("""
             from vllm_tree_spec.integration import proposer
             from vllm_tree_spec.integration.dsv4.adapter import DeepseekV4TreeAdapter
 
-            def make(cfg, vllm_config=None):
+            def make(cfg, vllm_config=None, runner_kv=False):
                 from dsv4_harness import OracleTreeDrafter
                 d = json.load(open(truth_path))
                 return OracleTreeDrafter({tuple(p): o for p, o in zip(d["prompts"], d["outputs"])}, "random",

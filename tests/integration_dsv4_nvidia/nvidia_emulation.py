@@ -124,6 +124,12 @@ SUBSTITUTIONS: tuple[Substitution, ...] = (
                  "called once per process by the model subclass", "v1/worker/gpu_worker.py "
                  "_init_workspace_and_model_runner (the CPU worker does not call it)",
                  "vLLM's own WorkspaceManager on the CPU device"),
+    Substitution("a GPU linear layer keeps its weight", "vllm.model_executor.layers.utils."
+                 "dispatch_cpu_unquantized_gemm (called at weight processing)",
+                 "model_executor/layers/linear.py UnquantizedLinearMethod.process_weights_after_loading, which on "
+                 "the CPU platform packs the weight for oneDNN / sgl GEMMs and drops it (AVX-512 builds); "
+                 "models/deepseek_v4/nvidia/ops/o_proj.py reads wo_a.weight itself",
+                 "vLLM's dispatch with remove_weight=False (the packed GEMM runs, the weight stays)"),
     Substitution("model class for `DeepseekV4ForCausalLM`", "vllm ModelRegistry",
                  "vllm/models/deepseek_v4/__init__.py picks cpu/ on the CPU platform",
                  "vllm.models.deepseek_v4.nvidia.model.DeepseekV4ForCausalLM (subclass only rebinds the "
@@ -369,6 +375,9 @@ def install(*, fast: bool = True) -> tuple[Substitution, ...]:
     deep_gemm._fp8_einsum_impl = ref_o_proj.fp8_einsum
     sys.modules["vllm.models.deepseek_v4.attention"].fused_indexer_q_rope_quant = \
         ref_indexer.fused_indexer_q_rope_quant
+    gemm = importlib.import_module("vllm.model_executor.layers.utils")
+    dispatch = gemm.dispatch_cpu_unquantized_gemm
+    gemm.dispatch_cpu_unquantized_gemm = lambda layer, remove_weight: dispatch(layer, remove_weight=False)
     _register_torch_ops()
     _fix_interpreter_downcasts()
     if not torch.cuda.is_available():  # a CPU torch raises here; nothing is ever captured in the emulation
