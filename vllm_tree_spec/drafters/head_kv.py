@@ -46,6 +46,7 @@ class HeadKVSlots:
         self.num_slots = 0
         self.valid = torch.ones(0, 0, dtype=torch.bool, device=device)  # [rows, capacity] False: a hole
         self.has_holes = False
+        self.holed: set[int] = set()  # slots that may hold holes (host; kept until the slot is released)
 
     def begin_step(self) -> None:
         """A drafting step starts (the paged store forgets the previous step's batch)."""
@@ -59,6 +60,7 @@ class HeadKVSlots:
     def release(self, slot: int) -> None:
         if slot < self.valid.shape[0]:
             self.valid[slot] = True
+        self.holed.discard(slot)
         self.free.append(slot)
         self.free.sort(reverse=True)  # lowest slot first: active requests stay packed at the front
 

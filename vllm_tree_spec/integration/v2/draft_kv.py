@@ -105,7 +105,8 @@ class PagedHeadKV(HeadKVSlots):
     def _step(self, slots: list[int], lengths: list[int], own: int, extra: int) -> PagedStep:
         """Per layer: entries 0..lengths[b]-1 in the pages, `own` dense columns; the table covers `extra`
         positions past the longest request (the feed's writes, the kernel's reads)."""
-        valid = self.valid_rows(slots, max(lengths)) if max(lengths) else None
+        # the hole mask only where a request of this forward may have holes (else the kernel's path stays open)
+        valid = self.valid_rows(slots, max(lengths)) if max(lengths) and self.holed.intersection(slots) else None
         committed = Committed(self._table(slots, max(lengths) + extra), list(lengths), self.block_size, valid)
         shape = (len(slots), self.kv_heads, own, self.head_dim)
 
@@ -221,6 +222,7 @@ class PagedHeadKV(HeadKVSlots):
         if holes:
             self.valid[slot, torch.tensor(holes, device=self.device)] = False
             self.has_holes = True
+            self.holed.add(slot)
         return len(holes)
 
 
