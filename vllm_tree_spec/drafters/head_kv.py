@@ -79,50 +79,6 @@ class HeadKVSlots:
         self._reserve_valid(self.num_slots, cols)
         return self.valid[torch.tensor(slots, device=self.device), :cols]
 
-    # -- a forward's keys, on a batch of the store (`batch` / `write_back`) -------------------------
-    def feed(self, slots: list[int], firsts: list[int], counts: list[int]) -> HeadCall:
-        """New entries first .. first + count - 1 of each slot: rows at their own columns, each seeing its
-        slot's entries before it (holes masked) and itself."""
-        device, width = self.device, max(counts)
-        cols = torch.tensor(firsts, device=device)[:, None] + torch.arange(width, device=device)  # [B, n]
-        n_cols = max(firsts) + width  # padding rows write scratch columns
-        mask = torch.arange(n_cols, device=device) <= cols[..., None]  # [B, n, L] own prefix, causal
-        cache, is_view = self.batch(slots, n_cols)
-        valid = self.valid_rows(slots, n_cols)
-        if valid is not None:
-            for b, (slot, first, count) in enumerate(zip(slots, firsts, counts)):
-                valid[b, first:] = True  # columns this feed writes (padding rows: scratch)
-                self.valid[slot, first: first + count] = True
-            mask = mask & valid[:, None]
-        return HeadCall(cache, is_view, cols=cols, mask=mask)
-
-    def fed(self, call: HeadCall, slots: list[int], spans: list[tuple[int, int]]) -> None:
-        """After a feed: entries [a, b) of slot i are kept."""
-        if not call.is_view:
-            self.write_back(call.cache, slots, spans)
-
-    def session(self, slots: list[int], lengths: list[int], cap: int, unsaved: int) -> HeadCall:
-        """A tree session over these slots' entries: room for `cap` tree columns after the longest request's.
-        unsaved: entries at each request's end that only the step's feed holds (none in a dense store)."""
-        if unsaved:
-            raise RuntimeError(f"{type(self).__name__} keeps every entry it is fed; unsaved entries need a paged store")
-        l_max = max(lengths)
-        cache, is_view = self.batch(slots, l_max + cap)
-        committed = torch.arange(l_max, device=self.device) < torch.tensor(lengths, device=self.device)[:, None]
-        valid = self.valid_rows(slots, l_max)
-        if valid is not None:
-            committed = committed & valid
-        return HeadCall(cache, is_view, base=l_max, base_mask=committed)
-
-    def grow(self, call: HeadCall, slots: list[int], cap: int) -> None:
-        """Room for `cap` tree columns in a session (rare: a tree wider than the reserve)."""
-        cols = call.base + cap
-        if call.is_view:
-            call.cache, _ = self.batch(slots, cols)
-        else:
-            call.cache = [tuple(torch.cat([t, t.new_zeros(*t.shape[:2], cols - t.shape[2], t.shape[3])], 2)
-                                for t in kv) for kv in call.cache]
-
 
 class DenseHeadKV(HeadKVSlots):
     """Committed head KV of every request: per layer keys/values [slots, H_kv, capacity, D].
@@ -173,3 +129,47 @@ class DenseHeadKV(HeadKVSlots):
             for i, (slot, (a, b)) in enumerate(zip(slots, spans)):
                 layer[0][slot, :, a:b] = k[i, :, a:b]
                 layer[1][slot, :, a:b] = v[i, :, a:b]
+
+    # -- a forward's keys: a batch of the store (`batch`, then `write_back` unless a view) -----------
+    def feed(self, slots: list[int], firsts: list[int], counts: list[int]) -> HeadCall:
+        """New entries first .. first + count - 1 of each slot: rows at their own columns, each seeing its
+        slot's entries before it (holes masked) and itself."""
+        device, width = self.device, max(counts)
+        cols = torch.tensor(firsts, device=device)[:, None] + torch.arange(width, device=device)  # [B, n]
+        n_cols = max(firsts) + width  # padding rows write scratch columns
+        mask = torch.arange(n_cols, device=device) <= cols[..., None]  # [B, n, L] own prefix, causal
+        cache, is_view = self.batch(slots, n_cols)
+        valid = self.valid_rows(slots, n_cols)
+        if valid is not None:
+            for b, (slot, first, count) in enumerate(zip(slots, firsts, counts)):
+                valid[b, first:] = True  # columns this feed writes (padding rows: scratch)
+                self.valid[slot, first: first + count] = True
+            mask = mask & valid[:, None]
+        return HeadCall(cache, is_view, cols=cols, mask=mask)
+
+    def fed(self, call: HeadCall, slots: list[int], spans: list[tuple[int, int]]) -> None:
+        """After a feed: entries [a, b) of slot i are kept."""
+        if not call.is_view:
+            self.write_back(call.cache, slots, spans)
+
+    def session(self, slots: list[int], lengths: list[int], cap: int, unsaved: int) -> HeadCall:
+        """A tree session over these slots' entries: room for `cap` tree columns after the longest request's.
+        unsaved: entries at each request's end that only the step's feed holds (none in a dense store)."""
+        if unsaved:
+            raise RuntimeError(f"{type(self).__name__} keeps every entry it is fed; unsaved entries need a paged store")
+        l_max = max(lengths)
+        cache, is_view = self.batch(slots, l_max + cap)
+        committed = torch.arange(l_max, device=self.device) < torch.tensor(lengths, device=self.device)[:, None]
+        valid = self.valid_rows(slots, l_max)
+        if valid is not None:
+            committed = committed & valid
+        return HeadCall(cache, is_view, base=l_max, base_mask=committed)
+
+    def grow(self, call: HeadCall, slots: list[int], cap: int) -> None:
+        """Room for `cap` tree columns in a session (rare: a tree wider than the reserve)."""
+        cols = call.base + cap
+        if call.is_view:
+            call.cache, _ = self.batch(slots, cols)
+        else:
+            call.cache = [tuple(torch.cat([t, t.new_zeros(*t.shape[:2], cols - t.shape[2], t.shape[3])], 2)
+                                for t in kv) for kv in call.cache]
