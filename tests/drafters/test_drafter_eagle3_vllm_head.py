@@ -139,10 +139,13 @@ def run_vllm_head(setup, tmp: Path, tp: int, control: bool = False, policies=tup
     target_dir, _, heads = setup
     tmp.mkdir(parents=True, exist_ok=True)
     out = str(tmp / "scenario")
+    init = tempfile.mktemp(dir=tmp)
     script = CHILD.format(here=str(HERE), tp=tp, control=control, target=str(target_dir), head=str(heads["eagle"]),
-                          init=tempfile.mktemp(dir=tmp), out=out, policies=", ".join(repr(p) for p in policies),
-                          refused=refused)
-    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "OMP_NUM_THREADS": "1"}
+                          init=init, out=out, policies=", ".join(repr(p) for p in policies), refused=refused)
+    # VLLM_DIST_IDENT: the group name vLLM's shared-memory CPU communicator (AVX-512 builds) reads; vLLM's CPU
+    # worker sets it from the init method as here
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "OMP_NUM_THREADS": "1",
+           "VLLM_DIST_IDENT": os.path.basename(init)}
     procs = [subprocess.Popen([sys.executable, "-c", script, str(r)], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for r in range(tp)]
     reports = []
