@@ -164,8 +164,8 @@ def test_prefix_hits_are_vouched_for_by_the_writers_records(setup):
     # only c's forwards carry the hole mask (it would close the kernel's path on a GPU); b's stay unmasked
     store, slot_b = paged.store, paged._states["b"].slot
     assert store.holed == {slot}
-    assert store._step([slot], [40], 1, 1)[0].committed.valid is not None
-    assert store._step([slot_b], [40], 1, 1)[0].committed.valid is None
+    assert store._step([slot], [40], 1)[0].committed.valid is not None
+    assert store._step([slot_b], [40], 1)[0].committed.valid is None
 
     stale = runner.blocks["a"][1]
     paged.store.records[stale] = (b"another content", 0)  # the block was reused for other tokens

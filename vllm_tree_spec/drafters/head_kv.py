@@ -35,6 +35,11 @@ class HeadCall:
     base_mask: torch.Tensor | None = None  # [B, base] (a session)
 
 
+def widen_cols(t: torch.Tensor, cols: int) -> torch.Tensor:
+    """[B, H, n, D] -> [B, H, cols, D] (cols >= n): zero columns appended."""
+    return torch.cat([t, t.new_zeros(*t.shape[:2], cols - t.shape[2], t.shape[3])], 2)
+
+
 class HeadKVSlots:
     """Slot bookkeeping and the hole mask, shared by the stores."""
 
@@ -171,5 +176,4 @@ class DenseHeadKV(HeadKVSlots):
         if call.is_view:
             call.cache, _ = self.batch(slots, cols)
         else:
-            call.cache = [tuple(torch.cat([t, t.new_zeros(*t.shape[:2], cols - t.shape[2], t.shape[3])], 2)
-                                for t in kv) for kv in call.cache]
+            call.cache = [tuple(widen_cols(t, cols) for t in kv) for kv in call.cache]

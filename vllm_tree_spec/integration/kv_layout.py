@@ -315,13 +315,6 @@ def gpu_copy_slots(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor)
     flat[:, dst] = flat[:, src].clone()
 
 
-def paged_gather(kv_cache: torch.Tensor, slots: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V [S, Hkv, D] at the given slots of a FLASH_ATTN / TRITON_ATTN cache [nb, Hkv, bs, 2D]."""
-    bs = kv_cache.shape[2]
-    rows = kv_cache[slots // bs, :, slots % bs]  # [S, Hkv, 2D]
-    return rows[..., :head_dim], rows[..., head_dim:]
-
-
 def paged_block_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, head_dim: int, *, values: bool = True):
     """(K^T [m, Hkv, D, bs], V [m, Hkv, bs, D] or None) of the given blocks of a FLASH_ATTN / TRITON_ATTN cache
     [nb, Hkv, bs, 2D] (the CPU_ATTN reader's form: `cpu_block_kv`)."""

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm_tree_spec.drafters.head_kv import widen_cols
 from vllm_tree_spec.integration.cpu_tree_split import BLOCK_CHUNK, PrefixBlocks, merge, prefix_part
 
 SCORE_ELEMENTS = 1 << 24  # fp32 scores per row chunk of a forward (64 MiB), whatever the feed's length
@@ -127,8 +128,7 @@ class PagedLayerKV:
     def widen(self, cols: int) -> None:
         """Room for `cols` own columns (content kept)."""
         if self.k.shape[2] < cols:
-            pad = cols - self.k.shape[2]
-            self.k, self.v = (torch.cat([t, t.new_zeros(*t.shape[:2], pad, t.shape[3])], 2) for t in (self.k, self.v))
+            self.k, self.v = widen_cols(self.k, cols), widen_cols(self.v, cols)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, cols: torch.Tensor,
                scale: float | None = None) -> torch.Tensor:

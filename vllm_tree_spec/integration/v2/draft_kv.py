@@ -102,12 +102,12 @@ class PagedHeadKV(HeadKVSlots):
                 table[b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
         return table.to(self.device, non_blocking=True)
 
-    def _step(self, slots: list[int], lengths: list[int], own: int, extra: int) -> PagedStep:
-        """Per layer: entries 0..lengths[b]-1 in the pages, `own` dense columns; the table covers `extra`
-        positions past the longest request (the feed's writes, the kernel's reads)."""
+    def _step(self, slots: list[int], lengths: list[int], own: int) -> PagedStep:
+        """Per layer: entries 0..lengths[b]-1 in the pages, `own` dense columns; the table covers `own`
+        positions past the longest request (the feed's writes, the kernel's reads of the rows' own slots)."""
         # the hole mask only where a request of this forward may have holes (else the kernel's path stays open)
         valid = self.valid_rows(slots, max(lengths)) if max(lengths) and self.holed.intersection(slots) else None
-        committed = Committed(self._table(slots, max(lengths) + extra), list(lengths), self.block_size, valid)
+        committed = Committed(self._table(slots, max(lengths) + own), list(lengths), self.block_size, valid)
         shape = (len(slots), self.kv_heads, own, self.head_dim)
 
         def zeros():
@@ -123,7 +123,7 @@ class PagedHeadKV(HeadKVSlots):
             self.reserve(max(f + c for f, c in zip(firsts, counts)))
             for slot, first, count in zip(slots, firsts, counts):
                 self.valid[slot, first: first + count] = True
-        step = self._step(slots, firsts, width, width)
+        step = self._step(slots, firsts, width)
         cols = torch.arange(width, device=self.device).expand(len(slots), width)
         mask = torch.ones(width, width, dtype=torch.bool, device=self.device).tril().expand(len(slots), -1, -1)
         return HeadCall(step, cols=cols, mask=mask)
@@ -162,7 +162,7 @@ class PagedHeadKV(HeadKVSlots):
         if unsaved and (last is None or not set(slots) <= set(last[0])):
             raise DrafterError("tree session: the roots' entries are only in the step's feed, which did not hold "
                                "every request of the session")
-        step = self._step(slots, [n - unsaved for n in lengths], unsaved + cap, unsaved + cap)
+        step = self._step(slots, [n - unsaved for n in lengths], unsaved + cap)
         if unsaved:
             rows = torch.tensor([last[0].index(s) for s in slots], device=self.device)
             kept = torch.tensor(last[2], device=self.device)[rows]  # [B] the root's column in the feed's rows
