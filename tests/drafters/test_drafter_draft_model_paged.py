@@ -79,7 +79,9 @@ CHILD = textwrap.dedent("""
         init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
                                      distributed_init_method="file://" + {init!r})
         initialize_model_parallel(1, 1)
-        net = load_vllm_draft_model(types.SimpleNamespace(vllm_config=vc), {model!r})
+        net = load_vllm_draft_model(vc, {model!r})
+    rows = []  # what each forward reports to the speculator's EPLB hook
+    net.before_forward = rows.append
 
     def run(persist_last):
         cfg = net.cfg
@@ -107,7 +109,8 @@ CHILD = textwrap.dedent("""
 
     torch.save(run(False), {out!r} + ".pt")
     torch.save(run(True), {out!r} + ".control.pt")
-    print("REPORT", json.dumps({{"layers": net.layer_names, "kv_heads": net.cfg.kv_heads}}))
+    print("REPORT", json.dumps({{"layers": net.layer_names, "kv_heads": net.cfg.kv_heads, "rows": rows,
+                                "model_config": net.model_config.model}}))
 """)
 
 
@@ -122,6 +125,8 @@ def test_vllm_draft_model_on_pages_drafts_the_transformers_trees(tiny_models, tm
     assert res.returncode == 0 and lines, res.stdout[-2000:] + res.stderr[-4000:]
     report = json.loads(lines[-1][7:])
     assert report["layers"] == [f"draft_model.model.layers.{i}.self_attn.attn" for i in range(2)], report
+    # every forward reported its rows (the EPLB hook), under the draft checkpoint's own model config
+    assert report["rows"] and min(report["rows"]) > 0 and report["model_config"] == model, report
     got, control = torch.load(out + ".pt"), torch.load(out + ".control.pt")
     want = scenario(DraftModelTreeDrafter.from_pretrained(model, StaticPolicy.of(SHAPE), return_draft_probs=True))
     assert got["tokens"] == want["tokens"]

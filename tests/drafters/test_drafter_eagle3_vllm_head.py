@@ -90,7 +90,7 @@ CHILD = textwrap.dedent("""
         initialize_model_parallel(tp, 1)
         target = get_model(vllm_config=vc)
         vc.speculative_config = types.SimpleNamespace(num_speculative_tokens=4)  # what the loader reads of it
-        head = load_vllm_eagle_head(types.SimpleNamespace(vllm_config=vc, get_model=lambda: target), "eagle3", {head!r})
+        head = load_vllm_eagle_head(vc, target, "eagle3", {head!r})
         report = {{"heads": head.cfg.heads, "kv_heads": head.cfg.kv_heads,
                   "embedding_shared": head.model.model.embed_tokens is target.model.embed_tokens,
                   "checked": {{}}, "failed": {{}}}}
@@ -123,7 +123,7 @@ CHILD = textwrap.dedent("""
             for name in head.layer_names:  # the first head's layers leave the forward context (same layer names)
                 vc.compilation_config.static_forward_context.pop(name)
             try:
-                load_vllm_eagle_head(types.SimpleNamespace(vllm_config=vc, get_model=lambda: target), "eagle3",
+                load_vllm_eagle_head(vc, target, "eagle3",
                                      {refused!r})
                 report["refused"] = None
             except ValueError as e:

@@ -82,6 +82,7 @@ def _tree_run(model, prompts, params, truth, stock_snaps, run: dict) -> dict:
     import nv_tree_harness as T
     import nvidia_harness as H
     from dsv4_harness import OracleTreeDrafter
+    from speculator_report import speculator_report
 
     oracle = run.get("oracle") or {}
     tree_snaps: dict = {}
@@ -96,6 +97,7 @@ def _tree_run(model, prompts, params, truth, stock_snaps, run: dict) -> dict:
         tree_runner = next(c.__module__ for c in type(r).__mro__ if c.__module__.startswith("vllm."))
         tree_stats = r.tree_stats.as_dict()
         drafter_head = type(getattr(getattr(r.drafter, "drafter", None), "head", None)).__name__
+        speculator = speculator_report(r)
         window = getattr(getattr(r.drafter, "drafter", None), "window", None)
         # bytes the drafter wrote into vLLM's page of the MTP layer (its committed window on V2), before the check
         page_nonzero = int((window.cache != 0).sum()) if getattr(window, "paged", False) else None
@@ -111,7 +113,7 @@ def _tree_run(model, prompts, params, truth, stock_snaps, run: dict) -> dict:
     bad = {f"{k[0]}@{k[1]}": sorted(T.snapshot_mismatches(
         {n: v for n, v in tree_snaps[k].items() if n in stock_snaps[k]}, stock_snaps[k])) for k in compared}
     return {"tree_runner": tree_runner, "adapter": adapter, "tree_stats": tree_stats,
-            "drafter_head": drafter_head, "mtp_head_check": head_check, "mtp_page_nonzero": page_nonzero,
+            "drafter_head": drafter_head, "speculator": speculator, "mtp_head_check": head_check, "mtp_page_nonzero": page_nonzero,
             "tree": {"outputs": tree.outputs, "logprobs": tree.logprobs},
             "stores_compared": len(compared), "stores_refreshed": len(tree_snaps), "tree_only_stores": tree_only,
             "store_mismatches": {k: v for k, v in bad.items() if v}}

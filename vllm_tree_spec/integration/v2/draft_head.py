@@ -5,7 +5,8 @@ utils.py`): `Eagle3LlamaForCausalLM` / `EagleLlamaForCausalLM` built from an `ea
 config, weights through vLLM's loader (tensor-parallel shards on every rank), the target's embedding and LM
 head shared as modules where the head has none. Its standalone draft-model speculator loads a draft
 checkpoint with `get_model` under the draft's model and parallel configs, layers named under "draft_model".
-The tree drafters load the same way (`load_vllm_head`), so their network is vLLM's model with vLLM's parallel
+The tree drafters load the same way (`load_network`, which V2's runner calls through the tree speculator, a
+`DraftModelSpeculator`: speculator.py), so their network is vLLM's model with vLLM's parallel
 linear layers, norms, RoPE and logits processor; only its attention differs: a tree level needs an ancestor
 mask, which vLLM's draft attention cannot express.
 
@@ -54,57 +55,61 @@ def head_view(vllm_config, method: str, path: str, num_speculative_tokens: int):
     return view
 
 
-def load_vllm_head(runner) -> bool:
-    """At load: an EAGLE-3 / EAGLE / draft-model / MTP tree drafter gets vLLM's network (False: no such drafter)."""
-    drafter = getattr(runner.drafter, "drafter", None)
-    key = getattr(drafter, "key", None)
-    if key not in METHODS or drafter.head is not None:
-        return False
+def load_network(vllm_config, target_model, drafter) -> nn.Module:
+    """At load, for the tree speculator (`TreeDraftModelSpeculator.load_draft_model`, called by V2's runner): an
+    EAGLE-3 / EAGLE / draft-model / MTP drafter gets vLLM's network as its head; returns vLLM's model (the
+    runner's `get_draft_model`)."""
+    key = drafter.key
+    if key not in METHODS:
+        raise ValueError(f"drafter {key!r} has no network for vLLM to load")
     if key == "mtp":
         from vllm_tree_spec.integration.v2.mtp_head import load_vllm_mtp_head
 
-        drafter.set_head(load_vllm_mtp_head(runner))
-        return True
-    if key == "draft_model":
-        drafter.set_head(load_vllm_draft_model(runner, drafter.path))
+        head = load_vllm_mtp_head(vllm_config, target_model)
+    elif key == "draft_model":
+        head = load_vllm_draft_model(vllm_config, drafter.path)
     else:
-        drafter.set_head(load_vllm_eagle_head(runner, key, drafter.path))
-    return True
+        head = load_vllm_eagle_head(vllm_config, target_model, key, drafter.path)
+    drafter.set_head(head)
+    return head.model
 
 
-def load_vllm_eagle_head(runner, method: str, path: str) -> "VllmEagleHead":
+def load_vllm_eagle_head(vllm_config, target_model, method: str, path: str) -> "VllmEagleHead":
     """vLLM's `method` head for the runner's target, loaded by vLLM's EAGLE loader (shards per rank)."""
     from vllm.config import set_current_vllm_config
     from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
-    view = head_view(runner.vllm_config, method, path, runner.vllm_config.speculative_config.num_speculative_tokens)
+    view = head_view(vllm_config, method, path, vllm_config.speculative_config.num_speculative_tokens)
     try:
         with set_current_vllm_config(view):
-            model = load_eagle_model(runner.get_model(), view)
+            model = load_eagle_model(target_model, view)
     except (ValueError, KeyError, RuntimeError) as e:
         raise ValueError(
             f"speculative_config.model {path!r}: on Model Runner V2 the {method} tree drafter loads its head with "
             f"vLLM's own {method} loader (as vLLM's linear {method!r} method does), which refused it: {e}. Use a "
             f"head vLLM's {method!r} method serves, or the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0), whose "
             f"PyTorch head loads it") from e
-    return VllmEagleHead(model, method)
+    head = VllmEagleHead(model, method)
+    head.model_config = view.speculative_config.draft_model_config
+    return head
 
 
-def load_vllm_draft_model(runner, path: str) -> "VllmDraftModel":
+def load_vllm_draft_model(vc, path: str) -> "VllmDraftModel":
     """vLLM's model for a draft checkpoint, loaded as vLLM's standalone draft-model speculator loads it
     (`StandaloneARSpeculator.load_draft_model`: the draft's model and parallel configs, no quantization,
     layer names under "draft_model"), with the head view's cache config (`head_view`)."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model
 
-    vc = runner.vllm_config
     view = head_view(vc, "draft_model", path, vc.speculative_config.num_speculative_tokens)
     spec = view.speculative_config
     draft = replace(view, model_config=spec.draft_model_config, quant_config=None,
                     parallel_config=replace(spec.draft_parallel_config, rank=vc.parallel_config.rank))
     with set_current_vllm_config(draft):
         model = get_model(vllm_config=draft, prefix="draft_model")
-    return VllmDraftModel(model)
+    net = VllmDraftModel(model)
+    net.model_config = spec.draft_model_config
+    return net
 
 
 class _VllmTreeNetwork(nn.Module):
@@ -113,6 +118,8 @@ class _VllmTreeNetwork(nn.Module):
     instead of vLLM's backend; each rank attends with its own heads."""
 
     loaded_by_runner = True  # on the runner's device and dtype, sharing modules with the target: never cast
+    model_config = None  # the network's vLLM ModelConfig (its speculative config's draft_model_config)
+    before_forward = None  # (rows) -> None before each forward: the speculator's EPLB hook (speculator.py)
 
     def __init__(self, model: nn.Module, attns: list):
         super().__init__()
@@ -156,6 +163,8 @@ class _VllmTreeNetwork(nn.Module):
     def forward(self, tokens, g, positions, mask, cache=None, cols=None, rows=None):
         """As `Eagle3Head.forward`: (draft logits [B, n, V_draft], g' [B, n, H]), or [B, ...] with rows."""
         bsz, n = tokens.shape
+        if self.before_forward is not None:
+            self.before_forward(bsz * n)
         self._call = (mask, cache, cols, bsz, n)
         try:
             h, g_next = self._run(tokens.reshape(-1), positions.reshape(-1),

@@ -50,26 +50,30 @@ def mtp_view(vllm_config, num_speculative_tokens: int):
     return view
 
 
-def load_vllm_mtp_head(runner) -> "VllmMTPHead":
+def load_vllm_mtp_head(vc, target_model) -> "VllmMTPHead":
     """vLLM's MTP model for the runner's DeepSeek-V4 target, loaded by vLLM's EAGLE / MTP loader."""
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.utils import get_model_cls
     from vllm.v1.worker.gpu.spec_decode.eagle.utils import load_eagle_model
 
-    vc = runner.vllm_config
     view = mtp_view(vc, vc.speculative_config.num_speculative_tokens)
     if get_model_cls(view.speculative_config.draft_model_config).__module__ == CPU_STUB_MODULE:
         raise ValueError("drafter 'mtp' on Model Runner V2 runs vLLM's DeepSeek-V4 MTP model, which vLLM does not "
                          "implement on CPU; use the V1 runner (VLLM_USE_V2_MODEL_RUNNER=0), where the drafter runs "
                          "the checkpoint's MTP layer itself")
     with set_current_vllm_config(view):
-        model = load_eagle_model(runner.get_model(), view)
-    return VllmMTPHead(model, vc)
+        model = load_eagle_model(target_model, view)
+    head = VllmMTPHead(model, vc)
+    head.model_config = view.speculative_config.draft_model_config
+    return head
 
 
 class VllmMTPHead:
     """vLLM's `DeepSeekV4MTP` behind the MTP drafter's head interface: `cfg` (query heads: this rank's) and
     `forward(tokens, positions, prev, context_fn) -> (x [T, hc, H], kv [T, c], logits [T, V])`."""
+
+    model_config = None  # the MTP model's vLLM ModelConfig (its `mtp` speculative config's draft_model_config)
+    before_forward = None  # (rows) -> None before each forward: the speculator's EPLB hook (speculator.py)
 
     def __init__(self, model, vllm_config):
         inner = model.model
@@ -117,6 +121,8 @@ class VllmMTPHead:
                                "allocating the KV cache (mtp_window.RunnerMTPWindow)")
         t = tokens.shape[0]
         c = self.cfg
+        if self.before_forward is not None:
+            self.before_forward(t)
         self._context_fn, self._window, self._slots = context_fn, window, slots
         try:
             # the MoE's custom op finds its layer in the forward context; no attention metadata is read

