@@ -292,6 +292,41 @@ def test_shipped_eagle3_head_accepts_as_on_v1(tmp_path):
     assert s2 == s1 and s1["accepted"] >= 0.3 * s1["rounds"], (s1, s2)
 
 
+MIXED = [  # one request each: every kind of sampling parameter in one batch
+    {"temperature": 0.0},
+    {"temperature": 0.8, "seed": 3},
+    {"temperature": 1.0, "top_k": 5, "top_p": 0.9, "seed": 1},
+    {"temperature": 0.7, "min_p": 0.05, "seed": 2},
+    {"temperature": 0.0, "presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2},
+    {"temperature": 0.0, "min_tokens": 10, "stop_token_ids": [7, 8, 9]},
+    {"temperature": 0.0, "max_tokens": 1},
+    {"temperature": 0.0, "prompt_logprobs": 3},
+    {"temperature": 0.6, "logprobs": 2, "seed": 5},
+    {"temperature": 0.0, "allowed_token_ids": list(range(10, 400))},
+    {"temperature": 1.0, "n": 2, "seed": 9},
+]
+
+
+@ALL
+def test_a_batch_of_every_sampling_parameter(setup):
+    """One batch mixing every kind of sampling parameter (seeds, top-k / top-p / min-p, penalties, min_tokens
+    with stop ids, max_tokens 1, prompt logprobs, logprobs, allowed token ids, n = 2) on the V2 tree engine:
+    nothing crashes, every request gets its length, and every greedy request (penalties, allowed ids and stop
+    ids included) is identical to V1 without speculation in the same batch."""
+    model, _, tmp, _ = setup
+    prompts = repetitive_prompts(len(MIXED), VOCAB, seed=11)
+    base = run_engine(model, prompts, max_tokens=MAX_TOKENS, runner="V1", tmp_dir=tmp / "mixed-base",
+                      max_num_seqs=8, sampling=MIXED)
+    run = run_engine(model, prompts, max_tokens=MAX_TOKENS, runner="V2", tmp_dir=tmp / "mixed", max_num_seqs=8,
+                     speculative_config=SUFFIX, sampling=MIXED)
+    lengths = [len(o) for o in run["outputs"]]
+    assert lengths == [len(o) for o in base["outputs"]] and lengths[6] == 1, lengths
+    for sp, got, want in zip(MIXED, run["outputs"], base["outputs"]):
+        if sp["temperature"] == 0.0:
+            assert got == want, sp
+    assert run["tree_stats"]["accepted"] > 0 and run["tree_stats"]["drafter_failures"] == 0, run["tree_stats"]
+
+
 @ALL
 @pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logits"])
 def test_logprobs_are_those_of_decoding(setup, mode):
