@@ -8,12 +8,15 @@ with the same logprobs. The
 same run records every tree step's root and node logits: each must equal a float64 sequential decode of
 its path within float32 rounding. Negative controls, each planted in the V2 tree engine: the tree mask
 replaced by vLLM's causal kernel, the draft nodes left at V2's linear positions, the accepted path's KV
-never moved into place; each must break the identity.
+never moved into place; each must break the identity. Under sampling, each sampled verification mode's
+output fits the exact law for every sampling parameter, and a transform planted away from tree rows only is
+caught by the same fit. One batch mixing every kind of sampling parameter serves without a crash.
 
 The emulation makes each engine a ~25 s child (most of it start-up). CI runs a representative few by
 default: n-gram trees (greedy identity and per-node logits) and the causal-mask control. The rest (the
 suffix drafter, static and dynamic draft-model trees, EAGLE-1 / EAGLE-3 heads (the shipped head on SmolLM2 among them), logprobs, the position and
-commit controls, the exact law of a sampled verification mode) are marked `extended`: VLLM_TREE_SPEC_EXTENDED=1 (docs/testing.md).
+commit controls, the exact law of the sampled verification modes and its control, the mixed batch) are marked
+`extended`: VLLM_TREE_SPEC_EXTENDED=1 (docs/testing.md).
 """
 
 from __future__ import annotations
@@ -354,24 +357,20 @@ def test_position_and_commit_controls_are_caught(setup, plant):
 
 
 # ---------------------------------------------------------------------------------------------- the exact law
-N_SET = 300
+N_SET = 300  # requests per parameter set
 LAW_VOCAB = 48
-PROMPT_SEED = [7, 11, 13, 17]
-LAW_SET = dict(temperature=0.8, top_k=6)
-LAW_TREE = "[(0,), (1,), (0, 0), (0, 1), (1, 0)]"
 
 
-@ALL
-@pytest.mark.stats
-def test_sampled_mode_law_is_exact(tiny_models, tmp_path):
-    """Verification mode `sampled` (the target as its own draft model, children drawn from q): each request
-    draws 3 tokens with its own seed; the counts of (t1, t2, t3) fit the exact law enumerated from a float64
-    forward (tests/fixtures/sampling_law.py: chi-square on the joint and on (t2, t3), zero support)."""
+@pytest.fixture(scope="module")
+def law_setup(tiny_models):
+    """The peaked 48-token model of the V1 law tests, its prompt (extended with its own greedy text, so drafts
+    get accepted), the float64 law source, and the parameter sets with the logit bias on the tokens that matter
+    at t2 (tests/integration/test_engine_sampling.py: the same model, prompt and sets)."""
     import shutil
 
     import torch
-    from engine_utils import NEAR_TIE_FP32_REL
-    from sampling_law import Float64Logits, check
+    from sampling_law import Float64Logits, reference_probs
+    from test_engine_sampling import PROMPT_SEED, SETS
     from transformers import AutoModelForCausalLM
 
     from tiny_models import build_tiny_llama
@@ -385,20 +384,65 @@ def test_sampled_mode_law_is_exact(tiny_models, tmp_path):
                 shutil.copy2(f, path / f.name)
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64).eval()
     prompt = list(PROMPT_SEED)
-    with torch.no_grad():  # extended with the model's own greedy text, so drafts get accepted
+    with torch.no_grad():
         for _ in range(28):
             prompt.append(int(model(torch.tensor([prompt])).logits[0, -1].argmax()))
-    spec = {"method": "tree", "drafter": "draft_model", "model": str(path), "tree": LAW_TREE,
-            "draft_sampling": "sample", "budgets": {"64": 5}}
-    sampling = [dict(LAW_SET, seed=i, detokenize=False) for i in range(N_SET)]
-    run = run_engine(str(path), [prompt] * N_SET, max_tokens=3, runner="V2", tmp_dir=tmp_path, sampling=sampling,
-                     max_num_seqs=32, speculative_config=spec, block_size=32)
-    assert run["tree_stats"]["accepted"] > N_SET // 8, run["tree_stats"]
-    counts: dict = {}
-    for out in run["outputs"]:
-        assert len(out) == 3
-        counts[tuple(out)] = counts.get(tuple(out), 0) + 1
     logits = Float64Logits(model)
-    delta = NEAR_TIE_FP32_REL * max(1.0, float(logits([prompt]).abs().max()))
-    failures = check(logits, prompt, LAW_SET, counts, N_SET, name="sampled", delta=delta, p_min=1e-4)
+    p1 = reference_probs(logits([prompt]), {}, prompt, [[]])[0]
+    p2 = reference_probs(logits([prompt + [t] for t in range(LAW_VOCAB)]), {}, prompt,
+                         [[t] for t in range(LAW_VOCAB)])
+    t2 = (p1[:, None] * p2).sum(0).argsort(descending=True).tolist()
+    sets = {name: {**params, **({"logit_bias": {t2[0]: -4.0, t2[4]: 2.5}} if "logit_bias" in params else {})}
+            for name, params in SETS.items()}
+    return str(path), prompt, logits, sets
+
+
+@ALL
+@pytest.mark.stats
+@pytest.mark.parametrize("mode", ["deterministic", "sampled", "sampled_without_replacement"])
+def test_sampled_mode_law_is_exact(law_setup, tmp_path, mode):
+    """Each sampled verification mode (deterministic children from the suffix drafter; children drawn from q
+    with and without replacement, the target as its own draft model) under two parameter sets that together
+    cover every sampling parameter (temperature, top-k, top-p, min-p, logit bias, the three penalties), mixed
+    in one engine's batches: each request draws 3 tokens with its own seed, and the counts of (t1, t2, t3) fit
+    the exact law enumerated from a float64 forward (tests/fixtures/sampling_law.py: chi-square on the joint
+    and on (t2, t3), zero support), as on the V1 runner (tests/integration/test_engine_sampling.py)."""
+    from test_engine_sampling import COMBINED
+
+    failures = law_failures(law_setup, tmp_path, mode, COMBINED)
     assert not failures, "\n".join(failures)
+
+
+@ALL
+@pytest.mark.stats
+def test_the_law_check_catches_penalties_skipped_on_tree_rows(law_setup, tmp_path):
+    """Negative control: a tree sampler that drops the penalties on a tree's rows only must fail the same fit."""
+    failures = law_failures(law_setup, tmp_path, "sampled", ["top_p+min_p+penalties"], plant="tree-penalties-skipped")
+    assert failures, "penalties skipped on tree rows passed the exact-law check"
+
+
+def law_failures(law_setup, tmp_path, mode: str, set_names: list[str], plant: str | None = None) -> list[str]:
+    """Serve N_SET requests of each named set (mixed in one engine's batches, 3 tokens each, own seeds) in the
+    V1 law tests' `mode`; the failures of each set's (t1, t2, t3) counts against its exact law."""
+    from engine_utils import NEAR_TIE_FP32_REL
+    from sampling_law import check
+    from test_engine_sampling import MODES
+
+    path, prompt, logits, sets = law_setup
+    spec = {**MODES[mode][0], "budgets": {"64": 5}}  # static: the online policy would prune to what pays here
+    if spec["drafter"] == "draft_model":
+        spec["model"] = path
+    names = [name for _ in range(N_SET) for name in set_names]
+    sampling = [dict(sets[name], seed=i, detokenize=False) for i, name in enumerate(names)]
+    run = run_engine(path, [prompt] * len(names), max_tokens=3, runner="V2", tmp_dir=tmp_path, sampling=sampling,
+                     max_num_seqs=32, speculative_config=spec, block_size=32, plant=plant)
+    assert run["tree_stats"]["accepted"] > len(names) // 8, run["tree_stats"]
+    assert (run["planted_steps"] > 0) == (plant is not None), run["planted_steps"]
+    counts: dict = {name: {} for name in set_names}
+    for name, out in zip(names, run["outputs"]):
+        assert len(out) == 3
+        counts[name][tuple(out)] = counts[name].get(tuple(out), 0) + 1
+    delta = NEAR_TIE_FP32_REL * max(1.0, float(logits([prompt]).abs().max()))
+    return [f for name in set_names
+            for f in check(logits, prompt, sets[name], counts[name], N_SET, name=f"{mode}/{name}", delta=delta,
+                           p_min=1e-4)]
