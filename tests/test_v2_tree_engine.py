@@ -295,6 +295,60 @@ def test_shipped_eagle3_head_accepts_as_on_v1(tmp_path):
     assert s2 == s1 and s1["accepted"] >= 0.3 * s1["rounds"], (s1, s2)
 
 
+FAULT_MIX = [  # the fault load's request mix, as on V1 (tests/integration/test_engine_faults.py)
+    {"temperature": 0.0},
+    {"temperature": 0.0, "repetition_penalty": 1.2, "presence_penalty": 0.3},
+    {"temperature": 0.0, "extra_args": {"soak": 1}},  # served without drafts
+    {"temperature": 0.0, "logprobs": 2},
+    {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.02},  # seeded per request
+    {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "min_p": 0.02},
+]
+
+
+@ALL
+@pytest.mark.parametrize("drafter", ["suffix", "eagle3", "draft_model"])
+def test_preemption_and_aborts_leave_no_state(tiny_models, tmp_path, drafter):
+    """The fault load on V2 (tests/fixtures/v2_cpu.py `_serve_with_aborts`): 12 requests under a KV cache too
+    small for them (running requests preempted and recomputed), chunked prefills, a mix of greedy, penalised,
+    draftless, logprobs and seeded sampled requests, one aborted in each phase (queued, mid-prefill, with a tree
+    proposed and not yet verified). After every step each per-request place of the plugin holds only requests
+    V2 still holds (the speculator's request states and trees, a network drafter's block ids and store slots,
+    the drafter's own), and after the flush step none; every other request completes, the greedy ones identical
+    to V1 without speculation."""
+    from tiny_eagle3 import make_tiny_eagle3
+
+    model = str(tiny_models.llama(vocab_size=VOCAB, num_layers=2, seed=0, initializer_range=0.08))
+    spec = {"method": "tree", "drafter": drafter, "tree": "s3_k2_d6", "budgets": {"64": 5}}
+    if drafter == "eagle3":  # prefix caching on (vLLM's default)
+        spec["model"] = str(make_tiny_eagle3(tiny_models.root / "eagle3-engine", model, aux_layer_ids=(0, 1, 2)))
+    elif drafter == "draft_model":
+        spec["model"] = str(tiny_models.llama(vocab_size=VOCAB, num_layers=1, seed=1, initializer_range=0.08))
+    n, max_tokens = 12, 100
+    raw = [p * 3 for p in repetitive_prompts(n, VOCAB, seed=3)]  # 72-105 tokens: chunked
+    sampling = [{**FAULT_MIX[i % 6], **({"seed": 100 + i} if FAULT_MIX[i % 6]["temperature"] else {})}
+                for i in range(n)]
+    tiny = dict(disable_log_stats=False, num_gpu_blocks_override=12, block_size=32, max_model_len=256,
+                max_num_batched_tokens=64, enable_chunked_prefill=True)
+    base = run_engine(model, raw, max_tokens=max_tokens, runner="V1", tmp_dir=tmp_path / "base", max_num_seqs=8,
+                      sampling=sampling)
+    run = run_engine(model, raw, max_tokens=max_tokens, runner="V2", tmp_dir=tmp_path / drafter, max_num_seqs=6,
+                     **tiny, speculative_config=spec, sampling=sampling, faults=True)
+    assert run["first_leak"] is None, run["first_leak"]
+    assert not any(run["left"].values()) and run["rpc_equal"], run["left"]
+    assert {"speculator.trees", "speculator.requests"} <= set(run["left"])
+    if drafter != "suffix":
+        assert {"runner.kv_blocks", "store.slots"} <= set(run["left"]), run["left"]
+    assert set(run["aborted"]) == {"queued", "prefill", "mid_tree"}, run["aborted"]
+    assert run["preemptions"] > 0, "the tiny KV cache did not force a preemption"
+    stats = run["tree_stats"]
+    assert run["rounds_seen"] and stats["rounds"] > 0 and stats["drafter_failures"] == 0, stats
+    kept = [i for i in range(n) if f"r{i}" not in run["aborted"].values()]
+    assert sorted(run["finished"]) == sorted(f"r{i}" for i in kept), "lost requests"
+    assert all(len(run["finished"][f"r{i}"]) == max_tokens for i in kept)
+    greedy = [i for i in kept if not sampling[i]["temperature"]]
+    assert [run["finished"][f"r{i}"] for i in greedy] == [base["outputs"][i] for i in greedy]
+
+
 MIXED = [  # one request each: every kind of sampling parameter in one batch
     {"temperature": 0.0},
     {"temperature": 0.8, "seed": 3},

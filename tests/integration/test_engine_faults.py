@@ -24,6 +24,7 @@ import pytest
 from engine_utils import TieChecker, compare_greedy, repetitive_prompts, tree_runner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from abort_phases import PHASES, external_id, pick_abort  # noqa: E402
 from tiny_eagle3 import make_tiny_eagle3  # noqa: E402
 
 VOCAB = 2048
@@ -31,7 +32,6 @@ NUM_REQUESTS = 12
 MAX_TOKENS = 100
 TINY_CACHE = dict(num_gpu_blocks_override=12, block_size=32, max_model_len=256, max_num_seqs=6,
                   max_num_batched_tokens=64, enable_chunked_prefill=True)  # CPU_ATTN blocks: multiples of 32
-PHASES = ("queued", "prefill", "mid_tree")
 
 
 def _params(i: int):
@@ -81,27 +81,6 @@ def _spec(drafter: str, tiny_models, model: str) -> tuple[dict, dict]:
     return {"method": "tree", "drafter": "eagle3", "model": head, "tree": "s3_k2_d6"}, {}  # prefix caching on
 
 
-def _external(req_id: str) -> str:
-    return req_id.rsplit("-", 1)[0]  # vLLM appends a random suffix to the id given to add_request
-
-
-def _pick_abort(phase: str, scheduler, runner, done: set[str]) -> str | None:
-    from vllm.v1.request import RequestStatus
-
-    for req in scheduler.requests.values():
-        rid = req.request_id
-        if _external(rid) in done or req.is_finished():
-            continue
-        if phase == "queued" and req.status == RequestStatus.WAITING and req.num_computed_tokens == 0:
-            return rid
-        running = req.status == RequestStatus.RUNNING
-        if phase == "prefill" and running and 0 < req.num_computed_tokens < req.num_prompt_tokens:
-            return rid
-        if phase == "mid_tree" and running and req.spec_token_ids and rid in runner._tree_drafts:
-            return rid
-    return None
-
-
 @pytest.mark.vllm
 @pytest.mark.parametrize("drafter", ["ngram", "suffix", "draft_model", "eagle3"])
 def test_preemption_and_aborts_leave_no_state(setup, tiny_models, drafter):
@@ -133,10 +112,10 @@ def test_preemption_and_aborts_leave_no_state(setup, tiny_models, drafter):
             rounds_seen += bool(state["runner.drafts"])
             for phase in PHASES:
                 if phase not in aborted:
-                    rid = _pick_abort(phase, scheduler, runner, set(aborted.values()))
+                    rid = pick_abort(phase, scheduler, runner, set(aborted.values()))
                     if rid is not None:
-                        aborted[phase] = _external(rid)
-                        eng.abort_request([_external(rid)])
+                        aborted[phase] = external_id(rid)
+                        eng.abort_request([external_id(rid)])
         eng.step()  # vLLM's flush step: the last finished / aborted ids reach the runner
         state = live_state(runner)
         assert all(not ids for ids in state.values()), (drafter, counts(state))

@@ -9,8 +9,11 @@ A leak check needs the list of places, and for each the request ids it holds. Af
     vllm.batch                   requests in the persistent batch        vLLM's input batch
     vllm.generators              seeded requests in the batch            input_batch.generators (the
                                                                          verify coins' streams)
-    (Model Runner V2: vllm.requests are V2's request states; speculator.requests / .generators the
-    requests' host state the V2 adapter keeps, v2/speculator.py)
+    (Model Runner V2: vllm.requests are V2's request states and the preempted requests it dropped until they
+    resume; speculator.requests / .generators the
+    requests' host state the V2 adapter keeps, speculator.trees their last drafts, v2/speculator.py; a
+    network drafter's runner.kv_blocks, its requests' block ids, and store.slots, its store's slots,
+    v2/draft_kv.py)
     runner.drafts                the last proposal's trees               TreeRunnerMixin._tree_drafts
     runner.committed             rows committed by the last tree step    TreeRunnerMixin._tree_committed
     runner.skip_logged           requests served without drafts          TreeRunnerMixin._tree_skip_logged
@@ -54,10 +57,18 @@ def live_state(runner) -> dict[str, list[str]]:
     if hasattr(runner, "req_states"):  # Model Runner V2: request states by slot, no persistent batch
         spec = runner.speculator
         state = {
-            REFERENCE: _ids(runner.req_states.req_id_to_index),
+            # V2's request states, and the preempted requests it dropped until they resume (V1 holds both)
+            REFERENCE: _ids(set(runner.req_states.req_id_to_index) | runner._tree_preempted),
             "speculator.requests": _ids(spec.requests),  # the requests' host state (v2/speculator.py)
             "speculator.generators": sorted(r for r, st in spec.requests.items() if st.generator is not None),
+            "speculator.trees": _ids(spec.trees),  # the last draft per request, empty ones included
         }
+        blocks = getattr(runner, "_tree_head_kv", None)  # a network drafter's block ids (v2/draft_kv.py)
+        if blocks is not None:
+            state["runner.kv_blocks"] = _ids(blocks.blocks)
+            slots = getattr(getattr(blocks, "store", None), "req_of", None)  # its store's slots by request
+            if slots is not None:
+                state["store.slots"] = sorted(str(r) for r in slots.values() if r is not None)
     else:
         batch = runner.input_batch
         batch_ids = [rid for rid in batch.req_ids if rid is not None]

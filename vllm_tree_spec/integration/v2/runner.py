@@ -86,6 +86,9 @@ class TreeV2RunnerMixin(TreeRunnerChecks):
         self._tree_step: TreeStep = TreeStep([])
         self._tree_batch = None  # the InputBatch the step was built for (its metadata gets the trees)
         self._tree_committed: dict[str, list[int]] = {}  # req_id -> flattened rows committed (observers)
+        # preempted requests, which V2 drops from its request states until they resume (the drafters may keep
+        # their state meanwhile: V1's runner.requests holds them; live_state.py reads both)
+        self._tree_preempted: set[str] = set()
         self.tree_stats = TreeStats(max_depth=self.tree_cfg.num_slots)
         self.speculator.stats = self.tree_stats
         self._tree_heap = HeapTrimmer()  # RSS stays flat over a long serve (worker_memory.py)
@@ -158,6 +161,7 @@ class TreeV2RunnerMixin(TreeRunnerChecks):
     def add_requests(self, scheduler_output):
         super().add_requests(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
+            self._tree_preempted.discard(new.req_id)  # resumed
             if new.sampling_params is not None:
                 self.speculator.add_request_state(new.req_id, new.sampling_params, new.prompt_token_ids,
                                                   new.prefill_token_ids)
@@ -176,9 +180,11 @@ class TreeV2RunnerMixin(TreeRunnerChecks):
         for rid in scheduler_output.finished_req_ids:
             self.speculator.remove_request_state(rid, finished=True)
             self._tree_committed.pop(rid, None)
+            self._tree_preempted.discard(rid)
         for rid in scheduler_output.preempted_req_ids or ():
             self.speculator.remove_request_state(rid, finished=False)
             self._tree_committed.pop(rid, None)
+            self._tree_preempted.add(rid)
         if self._tree_head_kv is not None:
             for rid in (*scheduler_output.finished_req_ids, *(scheduler_output.preempted_req_ids or ())):
                 self._tree_head_kv.drop_blocks(rid)
