@@ -24,7 +24,7 @@ import pytest
 from engine_utils import TieChecker, compare_greedy, repetitive_prompts, tree_runner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
-from abort_phases import PHASES, external_id, pick_abort  # noqa: E402
+from abort_phases import PHASES, abort_in_new_phases  # noqa: E402
 from tiny_eagle3 import make_tiny_eagle3  # noqa: E402
 
 VOCAB = 2048
@@ -110,12 +110,7 @@ def test_preemption_and_aborts_leave_no_state(setup, tiny_models, drafter):
             assert not leaks(state), (drafter, leaks(state), counts(state))
             assert not state["runner.step"], state["runner.step"]  # the step's scratch is dropped after sampling
             rounds_seen += bool(state["runner.drafts"])
-            for phase in PHASES:
-                if phase not in aborted:
-                    rid = pick_abort(phase, scheduler, runner, set(aborted.values()))
-                    if rid is not None:
-                        aborted[phase] = external_id(rid)
-                        eng.abort_request([external_id(rid)])
+            abort_in_new_phases(eng, scheduler, runner, aborted)
         eng.step()  # vLLM's flush step: the last finished / aborted ids reach the runner
         state = live_state(runner)
         assert all(not ids for ids in state.values()), (drafter, counts(state))
