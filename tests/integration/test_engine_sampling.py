@@ -36,12 +36,11 @@ rows only, and when sampled requests are verified as if greedy (float32 and bflo
 """
 
 import contextlib
-import shutil
 
 import pytest
 import torch
 from engine_utils import AMX_ONLY, NEAR_TIE_BF16_REL, NEAR_TIE_FP32_REL, run_engine
-from sampling_law import EngineLogits, Float64Logits, check, reference_probs
+from sampling_law import EngineLogits, Float64Logits, check, greedy_prompt, t2_logit_bias
 
 from vllm_tree_spec.integration import kv_layout
 
@@ -94,29 +93,12 @@ MODES = {
 def setup(tiny_models):
     from transformers import AutoModelForCausalLM
 
-    from tiny_models import build_tiny_llama
-
-    # A 48-token model with a larger tokenizer (vLLM only needs ids < 48 here; detokenize=False).
-    tok = tiny_models.tokenizer(2048)
-    path = tok.parent / "llama-v48-peaked"
-    if not path.exists():
-        build_tiny_llama(3, vocab_size=VOCAB, num_layers=2, initializer_range=0.25).save_pretrained(str(path))
-        for f in tok.iterdir():
-            if f.is_file():
-                shutil.copy2(f, path / f.name)
-    path = str(path)
+    path = str(tiny_models.peaked_llama())
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
-    prompt = list(PROMPT_SEED)
-    with torch.no_grad():  # extend with the model's own greedy text so n-gram drafts get accepted
-        for _ in range(28):
-            prompt.append(int(model(torch.tensor([prompt])).logits[0, -1].argmax()))
-    # logit bias on tokens that matter at t2: down on the likeliest, up on the fifth likeliest
-    f64 = Float64Logits(model)
-    p1 = reference_probs(f64([prompt]), {}, prompt, [[]])[0]
-    p2 = reference_probs(f64([prompt + [t] for t in range(VOCAB)]), {}, prompt, [[t] for t in range(VOCAB)])
-    t2 = (p1[:, None] * p2).sum(0).argsort(descending=True).tolist()
+    prompt = greedy_prompt(model, PROMPT_SEED)  # n-gram drafts of the model's own text get accepted
+    bias = t2_logit_bias(Float64Logits(model), prompt, VOCAB)
     for name in ("logit_bias", "t+top_k+bias"):
-        SETS[name]["logit_bias"] = {t2[0]: -4.0, t2[4]: 2.5}
+        SETS[name]["logit_bias"] = dict(bias)
     return path, model, prompt
 
 
